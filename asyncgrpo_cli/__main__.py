@@ -1,0 +1,4 @@
+from asyncgrpo_cli.cli import main
+
+if __name__ == "__main__":
+    main()

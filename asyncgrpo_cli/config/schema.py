@@ -123,6 +123,8 @@ class LossConfig:
 @dataclass
 class RolloutConfig:
     loop: str = F("default", "Rollout loop class: a registered name or module:Class (subclass of AsyncRolloutLoop).")
+    loop_options: dict[str, Any] = F(help="Extra settings for a custom rollout loop (its hooks read self.options).",
+                                     factory=dict)
     max_concurrent_rollouts: int = F(512, "Hard cap on rollouts in flight.")
     max_staleness: int = F(
         4, "Max weight updates a sample may lag; generation is also held to max(max_staleness,1) steps of tokens."

@@ -1,0 +1,216 @@
+"""The ``asyncgrpo`` command line. Thin: parses the verb, hands Hydra the rest, never imports torch at startup."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+from pathlib import Path
+
+from asyncgrpo_cli import __version__
+from asyncgrpo_cli.errors import UserError
+
+USAGE = f"""asyncgrpo {__version__}: asynchronous RL post-training of LLMs (async GRPO), configured with Hydra.
+
+usage: asyncgrpo VERB [OVERRIDES...]
+
+verbs:
+  train     train with async GRPO. `asyncgrpo train` runs the offline quickstart; `+recipe=NAME` picks a recipe,
+            `key=value` overrides any knob, `-m` runs a Hydra multirun sweep (a,b,c values).
+  check     compose and validate the config, print the plan; starts nothing. `--explain GROUP` documents a group.
+  serve     run the embedded generation server on the configured model (vLLM-compatible API subset).
+  plugins   list the registered plugins (rewards, losses, packers, servers, weight sync, rollout loops, ...).
+  bench     benchmarks: `asyncgrpo bench trainer-overhead [OVERRIDES]`.
+
+examples:
+  asyncgrpo train
+  asyncgrpo train +recipe=tiny trainer.max_steps=3
+  asyncgrpo train +recipe=deepmath loss.epsilon=0.28 rollout.max_staleness=2
+  asyncgrpo train -m +recipe=tiny rollout.max_staleness=0,2 loss.epsilon=0.2,0.28
+  asyncgrpo check +recipe=deepmath
+  asyncgrpo check --explain sampling
+"""
+
+_failures: list[str] = []
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return
+    if argv[0] in ("-V", "--version"):
+        print(__version__)
+        return
+    verb, rest = argv[0], argv[1:]
+    handlers = {"train": _train, "check": _check, "serve": _serve, "plugins": _plugins, "bench": _bench}
+    handler = handlers.get(verb)
+    if handler is None:
+        _die(f"unknown verb {verb!r}; verbs: {', '.join(handlers)} (asyncgrpo --help)")
+    try:
+        handler(rest)
+    except UserError as e:
+        _die(str(e))
+    except KeyboardInterrupt:
+        _die("interrupted", code=130)
+
+
+def _die(message: str, code: int = 2) -> None:
+    print(f"asyncgrpo: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+# ---------------------------------------------------------------------------------------------------- train
+def _train(args: list[str]) -> None:
+    from asyncgrpo_cli.config.compose import precheck, with_default_recipe
+    from asyncgrpo_cli.config.store import register_schemas
+    from asyncgrpo_cli.paths import conf_dir
+
+    if any(a in ("-h", "--help") for a in args):
+        print(USAGE)
+        print("Hydra options: --cfg job (print the composed config), --info, -m/--multirun, hydra.run.dir=DIR")
+        return
+    args = with_default_recipe(args)
+    precheck(args)
+    register_schemas()
+    import hydra
+
+    saved = sys.argv
+    sys.argv = ["asyncgrpo train", *args]
+    try:
+        hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)(_train_job)()
+    finally:
+        sys.argv = saved
+    if _failures:
+        _die("\n".join(_failures), code=1)
+
+
+def _train_job(dcfg) -> None:
+    """One Hydra job: validate, write resolved.yaml, train. Failures are recorded so a sweep's other jobs run."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from asyncgrpo_cli.config.validate import to_root_config
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    label = f"job {hc.job.num}" if hc.mode is not None and str(hc.mode).endswith("MULTIRUN") else "run"
+    log = logging.getLogger("asyncgrpo")
+    try:
+        cfg = to_root_config(dcfg)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(dcfg, run_dir / "resolved.yaml", resolve=True)
+        from asyncgrpo_cli.train.run import run_train
+
+        state = run_train(cfg, run_dir)
+        log.info("finished: %d steps, model version %d, run dir %s", state.step, state.model_version, run_dir)
+    except UserError as e:
+        _failures.append(f"{label} ({run_dir}): {e}")
+        print(f"asyncgrpo: error: {e}", file=sys.stderr)
+    except Exception as e:  # a bug or a failed process: keep the traceback, let the sweep go on
+        tb = traceback.format_exc()
+        (run_dir / "error.log").write_text(tb) if run_dir.is_dir() else None
+        _failures.append(f"{label} ({run_dir}) failed: {type(e).__name__}: {e}")
+        print(tb, file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------------- check
+def _check(args: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from asyncgrpo_cli.config.compose import compose_config
+    from asyncgrpo_cli.config.plan import explain_group, plan_lines
+
+    console = Console()
+    if "--explain" in args:
+        i = args.index("--explain")
+        if i + 1 >= len(args):
+            raise UserError("--explain needs a group name, e.g. `asyncgrpo check --explain sampling`")
+        group = args[i + 1]
+        try:
+            rows = explain_group(group)
+        except KeyError:
+            from asyncgrpo_cli.config.store import GROUPS
+
+            raise UserError(f"no config group {group!r}; groups: {', '.join(GROUPS)}") from None
+        table = Table(title=f"config group {group}", show_lines=False)
+        for col in ("key", "default", "meaning"):
+            table.add_column(col, overflow="fold")
+        for key, default, help_text in rows:
+            table.add_row(key, default, help_text)
+        console.print(table)
+        return
+    probe = "--probe-server" in args
+    args = [a for a in args if a != "--probe-server"]
+    cfg = compose_config(args)
+    table = Table(title="asyncgrpo plan (nothing was started)", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("plan", overflow="fold")
+    for what, plan in plan_lines(cfg):
+        table.add_row(what, plan)
+    console.print(table)
+    if probe:
+        _probe(cfg)
+    console.print("[green]config OK[/green]")
+
+
+def _probe(cfg) -> None:
+    from asyncgrpo_cli.server.control import ServerControl
+
+    if cfg.server.backend == "embedded":
+        print("--probe-server: the embedded server is started by train; nothing to probe")
+        return
+    control = ServerControl(cfg.server.base_url, cfg.server.timeout)
+    try:
+        control.wait_ready(cfg.server.startup_timeout)
+        info = control.info()
+        print(f"server {cfg.server.base_url}: model {info.model_id!r}, max_model_len {info.max_model_len}")
+    finally:
+        control.close()
+
+
+# ---------------------------------------------------------------------------------------------------- serve
+def _serve(args: list[str]) -> None:
+    from asyncgrpo_cli.config.compose import compose_config
+    from asyncgrpo_cli.model.resolve import resolve_model_path
+
+    cfg = compose_config(args)
+    emb = cfg.server.embedded
+    if emb.port == 0:
+        emb.port = 8000
+    model_dir = resolve_model_path(cfg.model.name_or_path)
+    from asyncgrpo_cli.server.app import run_server
+
+    print(f"asyncgrpo: serving {model_dir} on http://{emb.host}:{emb.port} (Ctrl-C stops)", flush=True)
+    run_server(model_dir, emb, served_model_name=cfg.model.served_model_name)
+
+
+# ---------------------------------------------------------------------------------------------------- plugins
+def _plugins(args: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from asyncgrpo_cli import registry
+
+    table = Table(title="asyncgrpo plugins (select by name; user code by 'module:object')")
+    for col in ("kind", "name", "config key", "what it does"):
+        table.add_column(col, overflow="fold")
+    for kind in registry.KINDS:
+        for spec in registry.specs(kind):
+            table.add_row(kind, spec.name, registry.CONFIG_KEYS[kind], spec.summary)
+    Console().print(table)
+
+
+# ---------------------------------------------------------------------------------------------------- bench
+def _bench(args: list[str]) -> None:
+    benches = {"trainer-overhead": "asyncgrpo_cli.bench.trainer_overhead:main"}
+    if not args or args[0] not in benches:
+        raise UserError(f"asyncgrpo bench NAME [OVERRIDES]; benchmarks: {', '.join(benches)}")
+    from asyncgrpo_cli.registry import _import_target
+
+    _import_target(benches[args[0]], kind="benchmark", where="asyncgrpo bench")(args[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""``asyncgrpo check``: print what a run would do (model, server, world size, budget, rewards, loss), run nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any
+
+from asyncgrpo_cli.config import schema
+from asyncgrpo_cli.config.schema import RootConfig
+
+
+def plan_lines(cfg: RootConfig) -> list[tuple[str, str]]:
+    s, tr, ro, sv = cfg.sampling, cfg.trainer, cfg.rollout, cfg.server
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if sv.backend == "embedded":
+        emb = sv.embedded
+        where = f"embedded server started by train on {emb.host}:{emb.port or '<free port>'}"
+        mml = emb.max_model_len
+    else:
+        where = f"{sv.backend} server at {sv.base_url} (must be running; timeout {sv.startup_timeout:g}s)"
+        mml = None
+    budget = (str(cfg.packing.token_budget) if cfg.packing.token_budget
+              else (f"{mml} (the server's max_model_len)" if mml else "the server's max_model_len (queried at start)"))
+    if tr.max_steps > 0:
+        length = f"{tr.max_steps} optimizer steps (trainer.max_steps)"
+    else:
+        length = f"{tr.num_train_epochs:g} epoch(s) over the prompts (trainer.num_train_epochs)"
+    rows = tr.gradient_accumulation_steps * world
+    eps_high = cfg.loss.epsilon_high if cfg.loss.epsilon_high is not None else cfg.loss.epsilon
+    return [
+        ("recipe", str(cfg.recipe)),
+        ("model", f"{cfg.model.name_or_path} (dtype {cfg.model.dtype}, gradient checkpointing "
+                  f"{'on' if cfg.model.gradient_checkpointing else 'off'})"),
+        ("server", where),
+        ("weight sync", f"{sv.weight_sync} every {ro.weight_sync_steps} step(s); one push before generation"),
+        ("world size", f"{world} trainer process(es); {rows} row(s) per optimizer step "
+                       f"({tr.gradient_accumulation_steps} micro-batch(es) x {world} rank(s))"),
+        ("token budget", f"{budget} tokens per row; packing={cfg.packing.kind}"),
+        ("data", f"{cfg.data.source}" + (f" {cfg.data.path}" if cfg.data.path else "")
+                 + f" (prompt column {cfg.data.prompt_column!r})"),
+        ("generation", f"G={s.num_generations} per prompt, up to {s.max_completion_length} tokens, T={s.temperature:g}"
+                       f", top_p={s.top_p:g}, top_k={s.top_k}, min_p={s.min_p:g}"),
+        ("rewards", ", ".join(str(f) for f in cfg.rewards.funcs) + " (summed, weight 1)"),
+        ("loss", f"{cfg.loss.name}; IS mask [{cfg.loss.vllm_importance_sampling_clip_min:g}, "
+                 f"{cfg.loss.vllm_importance_sampling_clip_max:g}]; trust region "
+                 f"[{1 - cfg.loss.epsilon:g}, {1 + eps_high:g}]"),
+        ("staleness", f"max_staleness={ro.max_staleness}: generation held to {max(ro.max_staleness, 1)} step(s) "
+                      f"of tokens; staler samples dropped"),
+        ("concurrency", f"at most {ro.max_concurrent_rollouts} rollouts in flight"),
+        ("optimizer", f"AdamW lr={tr.learning_rate:g} ({tr.lr_scheduler_type}), clip {tr.max_grad_norm:g}"),
+        ("length", length),
+        ("checkpoints", f"every {tr.save_steps} steps" if tr.save_steps else "at the end only"),
+        ("resume", str(tr.resume)),
+        ("metrics", ", ".join(cfg.logging.sinks) + f" every {cfg.logging.logging_steps} step(s)"),
+    ]
+
+
+def explain_group(group: str) -> list[tuple[str, str, str]]:
+    """(key, default, help) for every field of a group's schema."""
+    from asyncgrpo_cli.config.store import GROUPS
+
+    cls: Any = GROUPS.get(group)
+    if cls is None:
+        raise KeyError(group)
+    out = []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else "")
+        if dataclasses.is_dataclass(default):
+            for sub in dataclasses.fields(default):
+                out.append((f"{group}.{f.name}.{sub.name}", repr(getattr(default, sub.name)),
+                            sub.metadata.get("help", "")))
+            continue
+        if isinstance(default, float) and math.isinf(default):
+            default = "inf"
+        out.append((f"{group}.{f.name}", repr(default), f.metadata.get("help", "")))
+    return out
+
+
+__all__ = ["plan_lines", "explain_group", "schema"]

@@ -1,0 +1,146 @@
+"""Dataset plugins and prompt preparation.
+
+A dataset plugin is ``load(cfg: DataConfig) -> datasets.Dataset`` with a prompt column. ``prepare_dataset``
+checks the prompt column, normalizes string prompts to one user message, and adds the optional system prompt,
+so the rollout process only ever sees conversational prompts.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from asyncgrpo_cli import registry
+from asyncgrpo_cli.config.schema import DataConfig
+from asyncgrpo_cli.errors import UserError
+
+_LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+
+
+def load_hf(cfg: DataConfig):
+    """A Hugging Face dataset: a hub id, a directory saved with ``save_to_disk``, or local data files."""
+    import datasets
+
+    if not cfg.path:
+        raise UserError("data.path is required with data.source=hf: give a hub id (e.g. trl-lib/DeepMath-103K) "
+                        "or a local .jsonl/.json/.parquet/.csv file or directory.")
+    path = Path(cfg.path).expanduser()
+    try:
+        if path.is_dir() and (path / "dataset_info.json").is_file():
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds[cfg.split]
+        elif path.is_file():
+            fmt = _LOCAL_FORMATS.get(path.suffix)
+            if fmt is None:
+                raise UserError(f"data.path {cfg.path!r}: unsupported file type {path.suffix!r}; "
+                                f"use one of {', '.join(_LOCAL_FORMATS)}.")
+            ds = datasets.load_dataset(fmt, data_files=str(path), split="train")
+        else:
+            ds = datasets.load_dataset(cfg.path, cfg.name, split=cfg.split)
+    except UserError:
+        raise
+    except Exception as e:  # the datasets library raises many types; the user needs the key and the cause
+        raise UserError(f"data.path {cfg.path!r} (split {cfg.split!r}) could not be loaded: "
+                        f"{type(e).__name__}: {e}") from e
+    if cfg.num_examples is not None:
+        ds = ds.select(range(min(cfg.num_examples, len(ds))))
+    return ds
+
+
+_TINY_WORDS = ["one", "two", "three", "four", "five", "apples", "numbers", "count", "letters", "words"]
+
+
+def load_tiny_task(cfg: DataConfig):
+    """Toy prompts for the tiny random model: the ``digits`` reward gives every group a spread of rewards."""
+    import datasets
+
+    rng = random.Random(cfg.seed)
+    n = cfg.num_examples or 64
+    rows = []
+    for i in range(n):
+        words = " ".join(rng.choice(_TINY_WORDS) for _ in range(rng.randint(2, 6)))
+        rows.append({"prompt": [{"role": "user", "content": f"write numbers about {words} {i}"}], "task_id": i})
+    return datasets.Dataset.from_list(rows)
+
+
+def load_dataset_for(cfg: DataConfig):
+    loader = registry.resolve("dataset", cfg.source)
+    return loader(cfg)
+
+
+def _normalize_prompt(prompt: Any, system_prompt: str | None, row: int, column: str) -> list[dict[str, str]]:
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+        messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
+    else:
+        raise UserError(f"data.prompt_column {column!r}: row {row} holds {type(prompt).__name__} "
+                        f"{str(prompt)[:80]!r}; expected a string or a list of {{role, content}} messages.")
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return messages
+
+
+def prepare_dataset(ds, cfg: DataConfig):
+    """Check the prompt column and return a dataset whose ``prompt`` column is conversational.
+
+    A string prompt is wrapped as one user message (documented in the README). Other columns are kept: they
+    reach reward functions as keyword arguments.
+    """
+    column = cfg.prompt_column
+    if column not in ds.column_names:
+        raise UserError(f"data.prompt_column {column!r} is not a column of the dataset (columns: "
+                        f"{', '.join(ds.column_names)}); set data.prompt_column to the column holding the prompts.")
+    if len(ds) == 0:
+        raise UserError(f"the dataset from data.source={cfg.source} (path {cfg.path!r}, split {cfg.split!r}) is empty.")
+    if column != "prompt":
+        if "prompt" in ds.column_names:
+            ds = ds.remove_columns("prompt")
+        ds = ds.rename_column(column, "prompt")
+    system = cfg.system_prompt
+    first = ds[0]["prompt"]
+    needs_map = bool(system) or isinstance(first, str)
+    # Validate a sample of rows eagerly so a bad column fails before any process starts.
+    for i in range(min(len(ds), 8)):
+        _normalize_prompt(ds[i]["prompt"], system, i, column)
+    if needs_map:
+        ds = ds.map(
+            lambda row, idx: {"prompt": _normalize_prompt(row["prompt"], system, idx, column)},
+            with_indices=True,
+            desc="formatting prompts",
+        )
+    return ds
+
+
+def load_prompts(cfg: DataConfig):
+    """Load the configured dataset and prepare its prompts."""
+    return prepare_dataset(load_dataset_for(cfg), cfg)
+
+
+class PromptOrder:
+    """Maps a prompt's position in the run's stream (``prompt_seq``) to a dataset row.
+
+    ``prompt_seq = epoch * n + k``; row = the k-th index of epoch ``epoch``'s permutation (seeded by seed and
+    epoch), so the order is reproducible across resumes without storing it.
+    """
+
+    def __init__(self, num_rows: int, seed: int, shuffle: bool):
+        self.num_rows = num_rows
+        self.seed = seed
+        self.shuffle = shuffle
+        self._cache: dict[int, list[int]] = {}
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        order = self._cache.get(epoch)
+        if order is None:
+            order = list(range(self.num_rows))
+            if self.shuffle:
+                random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._cache = {epoch: order}
+        return order
+
+    def row_index(self, prompt_seq: int) -> tuple[int, int]:
+        epoch, k = divmod(prompt_seq, self.num_rows)
+        return epoch, self.epoch_order(epoch)[k]

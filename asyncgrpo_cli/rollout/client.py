@@ -1,0 +1,154 @@
+"""Async client for the generation server's ``/v1/completions`` (vLLM's OpenAI-compatible API), tokens in and out.
+
+Every request carries token ids, asks for the sampled token's log-prob plus the top-N (``logprobs: N``), with
+``return_token_ids`` and ``return_tokens_as_token_ids`` so nothing is ever re-tokenized and top-logprob keys are
+token ids (decoded-string keys collide for partial UTF-8 bytes). Transient failures (connection errors,
+timeouts, 5xx, 503 while paused) are retried with bounded exponential backoff; a 4xx is the user's configuration
+and stops the run with the server's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from asyncgrpo_cli.rollout.types import TurnRecord
+
+
+class ServerRequestError(RuntimeError):
+    """The server rejected a request (4xx) or kept failing after every retry."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    num_logprobs: int = 0
+
+
+def parse_token_key(key: str) -> int:
+    """``"token_id:123"`` -> 123."""
+    return int(key.rsplit(":", 1)[1])
+
+
+def build_payload(model: str, prompt_ids: list[int], p: SamplingParams, seed: int | None) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "model": model,
+        "prompt": list(prompt_ids),
+        "max_tokens": p.max_tokens,
+        "temperature": p.temperature,
+        "n": 1,
+        "logprobs": p.num_logprobs,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "skip_special_tokens": False,
+    }
+    if p.top_p < 1.0:
+        payload["top_p"] = p.top_p
+    if p.top_k > 0:
+        payload["top_k"] = p.top_k
+    if p.min_p > 0:
+        payload["min_p"] = p.min_p
+    if p.repetition_penalty != 1.0:
+        payload["repetition_penalty"] = p.repetition_penalty
+    if seed is not None:
+        payload["seed"] = seed
+    return payload
+
+
+def parse_choice(prompt_ids: list[int], choice: dict[str, Any], want_topk: bool) -> TurnRecord:
+    """Turn one ``choices[i]`` of a completions response into a ``TurnRecord``."""
+    output_ids = choice.get("token_ids")
+    if output_ids is None:
+        raise ServerRequestError("the server's completion has no 'token_ids': it must support return_token_ids "
+                                 "(vLLM >= 0.10)")
+    logprobs = choice.get("logprobs") or {}
+    token_lps = logprobs.get("token_logprobs") or []
+    if len(token_lps) != len(output_ids):
+        raise ServerRequestError(f"the server returned {len(token_lps)} log-probs for {len(output_ids)} tokens")
+    top: list[dict[int, float]] | None = None
+    if want_topk:
+        raw = logprobs.get("top_logprobs") or []
+        top = [{parse_token_key(k): float(v) for k, v in (entry or {}).items()} for entry in raw]
+        if len(top) != len(output_ids):
+            raise ServerRequestError(f"the server returned {len(top)} top-logprob entries for {len(output_ids)} tokens")
+    return TurnRecord(
+        prompt_ids=list(prompt_ids),
+        output_ids=[int(t) for t in output_ids],
+        output_log_probs=[float(x) if x is not None else 0.0 for x in token_lps],
+        output_sampler_logprobs=top,
+        finish_reason=choice.get("finish_reason"),
+    )
+
+
+class CompletionClient:
+    """One pooled ``httpx.AsyncClient``; create it inside the rollout loop's event loop (``setup``)."""
+
+    def __init__(self, base_url: str, model: str, timeout: float, max_retries: int, max_connections: int):
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.retry_count = 0
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 30.0)),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def complete(self, prompt_ids: list[int], params: SamplingParams, seed: int | None) -> TurnRecord:
+        payload = build_payload(self.model, prompt_ids, params, seed)
+        data = await self._post("/v1/completions", payload)
+        choices = data.get("choices") or []
+        if not choices:
+            raise ServerRequestError(f"{self.base_url}/v1/completions returned no choices: {str(data)[:200]}")
+        return parse_choice(prompt_ids, choices[0], want_topk=params.num_logprobs > 0)
+
+    async def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        attempt = 0
+        while True:
+            try:
+                resp = await self._client.post(path, json=payload)
+            except (httpx.TransportError, asyncio.TimeoutError) as e:
+                err = f"{type(e).__name__}: {e}"
+            else:
+                if resp.status_code == 200:
+                    return resp.json()
+                if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
+                    raise ServerRequestError(
+                        f"{self.base_url}{path} rejected the request (HTTP {resp.status_code}): "
+                        f"{_error_message(resp)}"
+                    )
+                err = f"HTTP {resp.status_code}: {_error_message(resp)}"
+            attempt += 1
+            if attempt > self.max_retries:
+                raise ServerRequestError(
+                    f"{self.base_url}{path} failed {attempt} times (last: {err}); check the server, or raise "
+                    "server.max_retries / server.timeout."
+                )
+            self.retry_count += 1
+            await asyncio.sleep(min(2.0 ** min(attempt - 1, 4), 16.0) * (0.5 + random.random() / 2))
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:300]
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            return str(err.get("message", err))[:500]
+        return str(err)[:500]
+    return str(body)[:300]

@@ -1,0 +1,408 @@
+"""``AsyncRolloutLoop``: generates and scores rollouts inside the spawned rollout process. Default = GRPO.
+
+Per prompt: ``filter_prompt`` decides whether to generate; ``generate_one`` runs ``num_generations`` times
+(each calling ``generate_one_turn`` per sampling request); once the whole group has finished it waits on the
+score queue, is scored (sum of reward sources), ``compute_advantages`` runs, zero-signal groups are dropped and the
+rest become samples on the rollout queue. ``setup`` / ``close`` create and release resources on the loop's event
+loop (``close`` also runs on failure).
+
+Subclass it and select it with ``rollout.loop=my_module:MyLoop``; ``rollout.loop_options`` reaches the hooks as
+``self.options``. Subclasses must be importable at module level (the process is spawned).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from asyncgrpo_cli.config.schema import RolloutConfig, SamplingConfig
+from asyncgrpo_cli.data.sources import PromptOrder
+from asyncgrpo_cli.metrics.reducer import MetricWindow
+from asyncgrpo_cli.rollout.client import CompletionClient, SamplingParams
+from asyncgrpo_cli.rollout.scoring import (
+    RewardFunction,
+    call_reward_funcs,
+    group_advantages,
+    group_std,
+    is_zero_signal,
+    sum_sources,
+)
+from asyncgrpo_cli.rollout.sequences import rollout_to_sequences
+from asyncgrpo_cli.rollout.staleness import AllowanceTracker
+from asyncgrpo_cli.rollout.types import PromptResolved, Rollout, RolloutDone, RolloutGroup, TurnRecord
+
+METRICS_INTERVAL_S = 1.0
+HEARTBEAT_INTERVAL_S = 1.0
+
+
+@dataclass
+class RolloutSettings:
+    """Everything the rollout process needs, resolved by the trainer (picklable, no argv re-parsing)."""
+
+    sampling: SamplingConfig
+    rollout: RolloutConfig
+    base_url: str
+    served_model: str
+    max_model_len: int
+    server_timeout: float
+    max_retries: int
+    num_topk: int
+    """Top log-probs requested per token (0 when the loss needs none)."""
+    tokenizer_path: str
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    total_prompts: int | None = None
+    """Prompts to generate in all (epoch-based runs); None: cycle over the data until stopped."""
+    dataset_start_index: int = 0
+    skip_prompt_seqs: list[int] = field(default_factory=list)
+    """Prompt positions at or after ``dataset_start_index`` already trained before a resume."""
+    data_seed: int = 0
+    shuffle: bool = True
+    seed_offset: int = 0
+
+
+class AsyncRolloutLoop:
+    def __init__(self, settings: RolloutSettings, dataset: Any, reward_funcs: list[RewardFunction],
+                 tokenizer: Any, shared: Any):
+        self.settings = settings
+        self.config = settings
+        self.options: dict[str, Any] = dict(settings.rollout.loop_options)
+        self.dataset = dataset
+        self.reward_funcs = reward_funcs
+        self.tokenizer = tokenizer
+        self.shared = shared
+        self.eos_token_ids = _eos_ids(tokenizer)
+        self.metrics = MetricWindow()
+        self.allowance = AllowanceTracker()
+        self.order = PromptOrder(len(dataset), settings.data_seed, settings.shuffle)
+        self._rng = random.Random((settings.sampling.seed + 1) * 7919 + settings.seed_offset)
+        self._executor = ThreadPoolExecutor(max_workers=max(4, settings.rollout.max_concurrent_rollouts // 4),
+                                            thread_name_prefix="rollout")
+        self._in_flight = 0
+        self._next_group_id = 0
+        self._generated_tokens = 0
+        self._last_report = time.monotonic()
+        self.client: CompletionClient | None = None
+        self.score_queue: asyncio.Queue[RolloutGroup] | None = None
+
+    # ------------------------------------------------------------------ hooks
+    async def setup(self) -> None:
+        """Create resources other hooks need; runs on the loop's event loop before the first prompt."""
+
+    async def close(self) -> None:
+        """Release what ``setup`` created; runs when the loop stops, including on failure."""
+
+    def filter_prompt(self, row_index: int, row: dict[str, Any], epoch: int) -> bool:
+        """Return False to skip the prompt for this epoch (it still counts as consumed)."""
+        return True
+
+    async def generate_one(self, prompt: list[dict[str, str]], tools: list[Any], group_id: int = 0) -> Rollout:
+        """One complete rollout. Overrides must record every sampling request in ``Rollout.turns``."""
+        prompt_ids = self.render(prompt)
+        turn = await self.generate_one_turn(prompt_ids)
+        text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
+        return Rollout(completion=[{"role": "assistant", "content": text}], completion_ids=list(turn.output_ids),
+                       turns=[turn])
+
+    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
+        """One sampling request with the configured sampling settings."""
+        s = self.settings.sampling
+        params = SamplingParams(
+            max_tokens=s.max_completion_length, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+            min_p=s.min_p, repetition_penalty=s.repetition_penalty, num_logprobs=self.settings.num_topk,
+        )
+        seed = self._rng.getrandbits(62) if s.seed_per_request else None
+        assert self.client is not None, "generate_one_turn called before the loop started"
+        turn = await self.client.complete(prompt_ids, params, seed)
+        self._generated_tokens += len(turn.output_ids)
+        return turn
+
+    def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
+        """One advantage per rollout, in ``group.rewards`` order: group-normalized, 0 for unscored."""
+        return group_advantages(group.rewards)
+
+    # ------------------------------------------------------------------ helpers for hooks
+    def render(self, messages: list[dict[str, str]]) -> list[int]:
+        out = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, **self.settings.chat_template_kwargs
+        )
+        ids = out["input_ids"] if hasattr(out, "keys") else out
+        return [int(t) for t in ids]
+
+    # ------------------------------------------------------------------ main loop
+    async def run(self) -> None:
+        hb = asyncio.create_task(self._heartbeat())
+        self.score_queue = asyncio.Queue(maxsize=self.settings.rollout.score_queue_maxsize)
+        self.client = CompletionClient(
+            self.settings.base_url, self.settings.served_model, self.settings.server_timeout,
+            self.settings.max_retries, max_connections=self.settings.rollout.max_concurrent_rollouts,
+        )
+        scorer: asyncio.Task | None = None
+        try:
+            await self.setup()
+            scorer = asyncio.create_task(self._score_loop())
+            num = await self._generate_loop(scorer)
+            await self._join_scorer(scorer)
+            if not self._stopping():
+                self.shared.rollout_buffer.put(RolloutDone(num_prompts=num))
+        finally:
+            for task in (scorer, hb):
+                if task is not None:
+                    task.cancel()
+            self._report(force=True)
+            try:
+                await self.close()
+            finally:
+                await self.client.close()
+                self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _stopping(self) -> bool:
+        return self.shared.stop_event.is_set()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self.shared.heartbeat.value = time.time()
+            self._report()
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    def _prompt_stream(self) -> Iterator[tuple[int, int, int]]:
+        skip = set(self.settings.skip_prompt_seqs)
+        seq = self.settings.dataset_start_index
+        total = self.settings.total_prompts
+        while total is None or seq < total:
+            if seq not in skip:
+                epoch, idx = self.order.row_index(seq)
+                yield seq, epoch, idx
+            seq += 1
+
+    async def _generate_loop(self, scorer: asyncio.Task) -> int:
+        """Start groups while slots and the token allowance permit; returns the prompts consumed."""
+        groups: set[asyncio.Task] = set()
+        consumed = 0
+        accepted_in_epoch: dict[int, int] = {}
+        cap = self.settings.rollout.max_concurrent_rollouts
+        G = self.settings.sampling.num_generations
+        pending = None
+        stream = self._prompt_stream()
+        held_since: float | None = None
+        while not self._stopping():
+            if scorer.done():
+                scorer.result()  # re-raise a scoring failure here
+            if pending is None:
+                pending = next(stream, None)
+                if pending is None:
+                    break
+                seq, epoch, idx = pending
+                self._check_epoch_rejections(accepted_in_epoch, epoch)
+                row = self.dataset[idx]
+                if not self.filter_prompt(idx, row, epoch):
+                    self.shared.rollout_buffer.put(PromptResolved(seq, "filtered"))
+                    self.metrics.add("rollout/filtered_prompt_count", 1)
+                    consumed += 1
+                    pending = None
+                    continue
+                accepted_in_epoch[epoch] = accepted_in_epoch.get(epoch, 0) + 1
+            slots_ok = self._in_flight == 0 or self._in_flight + G <= cap
+            allowed = self.allowance.can_start(self.shared.token_allowance.value, self.shared.consumed_tokens.value)
+            if slots_ok and allowed:
+                if held_since is not None:
+                    self.metrics.add("rollout/backpressure_s", time.monotonic() - held_since)
+                    held_since = None
+                seq, epoch, idx = pending
+                groups.add(asyncio.create_task(self._run_group(seq, epoch, idx, self.dataset[idx])))
+                consumed += 1
+                pending = None
+                continue
+            if slots_ok and not allowed and held_since is None:
+                held_since = time.monotonic()
+            done, groups = await _wait_some(groups, timeout=0.05)
+            for task in done:
+                task.result()
+        while groups and not self._stopping():
+            done, groups = await _wait_some(groups, timeout=0.2)
+            for task in done:
+                task.result()
+            if scorer.done():
+                scorer.result()
+        return consumed
+
+    def _check_epoch_rejections(self, accepted: dict[int, int], epoch: int) -> None:
+        prev = epoch - 1
+        if prev >= 0 and prev in accepted and accepted[prev] == 0:
+            raise RuntimeError(f"filter_prompt rejected every prompt of epoch {prev}: no batch could ever reach "
+                               "the trainer")
+        accepted.setdefault(epoch, 0)
+
+    async def _run_group(self, seq: int, epoch: int, row_index: int, row: dict[str, Any]) -> None:
+        G = self.settings.sampling.num_generations
+        group_id = self._next_group_id
+        self._next_group_id += 1
+        version = int(self.shared.model_version.value)
+        self.allowance.start(group_id, G)
+        self._in_flight += G
+        prompt = row["prompt"]
+        try:
+            rollouts = await asyncio.gather(*(self._timed_rollout(prompt, group_id) for _ in range(G)))
+        finally:
+            self._in_flight -= G
+        seqs = []
+        for r in rollouts:
+            samples, stats = rollout_to_sequences(r, self.settings.num_topk)
+            seqs.append(samples)
+            self.metrics.add("rollout/turns_mean", len(r.turns))
+            self.metrics.add("rollout/turns_max", len(r.turns))
+            self.metrics.add("rollout/samples_per_rollout", len(samples))
+            for d in stats.drift_tokens:
+                self.metrics.add("rollout/fork_frac", float(d > 0))
+                self.metrics.add("rollout/drift_tokens_mean", d)
+                self.metrics.add("rollout/drift_tokens_max", d)
+        extra = {k: [v] * G for k, v in row.items() if k != "prompt"}
+        group = RolloutGroup(
+            prompts=[prompt] * G, reward_kwargs=extra, completions=[r.completion for r in rollouts],
+            completions_ids=[r.completion_ids for r in rollouts], completions_sequences=seqs,
+            tool_call_counts=[r.tool_call_count for r in rollouts],
+            tool_failure_counts=[r.tool_failure_count for r in rollouts], model_version=version,
+            group_id=group_id, row_index=row_index, env_rewards=[None] * G,
+            rollout_rewards=[r.reward for r in rollouts], prompt_seq=seq, epoch=epoch, rollouts=list(rollouts),
+        )
+        t0 = time.monotonic()
+        group.queued_at = t0
+        await self.score_queue.put(group)
+        self.metrics.add("rollout/score_block_s", time.monotonic() - t0)
+
+    async def _timed_rollout(self, prompt: list[dict[str, str]], group_id: int) -> Rollout:
+        t0 = time.monotonic()
+        rollout = await self.generate_one(prompt, [], group_id)
+        self.metrics.add("rollout/duration_s", time.monotonic() - t0)
+        return rollout
+
+    async def _join_scorer(self, scorer: asyncio.Task) -> None:
+        while not self.score_queue.empty() or self.allowance.in_flight_groups:
+            if scorer.done():
+                scorer.result()
+                return
+            if self._stopping():
+                return
+            await asyncio.sleep(0.02)
+
+    async def _score_loop(self) -> None:
+        while True:
+            group = await self.score_queue.get()
+            try:
+                await self._score_group(group)
+            finally:
+                self.score_queue.task_done()
+
+    async def _score_group(self, group: RolloutGroup) -> None:
+        self.metrics.add("rollout/score_wait_s", time.monotonic() - group.queued_at)
+        t0 = time.monotonic()
+        G = len(group.completions)
+        kwargs = {"prompts": group.prompts, "completions": group.completions,
+                  "completion_ids": group.completions_ids, **group.reward_kwargs}
+        per_func = await call_reward_funcs(self.reward_funcs, kwargs, G, group.row_index, self._executor)
+        rollout_src = np.array([np.nan if r is None else float(r) for r in group.rollout_rewards])[None, :]
+        group.rewards = sum_sources(np.concatenate([per_func, rollout_src], axis=0))
+        advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
+        if advantages.shape != (G,):
+            raise RuntimeError(f"compute_advantages returned shape {advantages.shape}; expected ({G},)")
+        dropped = is_zero_signal(group.rewards)
+        self.metrics.add("rollout/score_s", time.monotonic() - t0)
+        self._record_group_metrics(group, per_func, dropped)
+        tokens = 0
+        if not dropped:
+            tokens = self._enqueue_samples(group, advantages, per_func)
+        if tokens == 0:
+            self.shared.rollout_buffer.put(PromptResolved(group.prompt_seq, "zero_std" if dropped else "no_samples"))
+        rollout_tokens = [sum(len(s) for s in seqs) for seqs in group.completions_sequences]
+        self.allowance.finish(group.group_id, rollout_tokens, tokens)
+
+    def _enqueue_samples(self, group: RolloutGroup, advantages: np.ndarray, per_func: np.ndarray) -> int:
+        std = group_std(group.rewards)
+        func_std = {rf.name: group_std(per_func[i]) for i, rf in enumerate(self.reward_funcs)}
+        samples = []
+        for i, seqs in enumerate(group.completions_sequences):
+            for s in seqs:
+                s.advantage = float(advantages[i])
+                s.group_id = group.group_id
+                s.prompt_seq = group.prompt_seq
+                s.model_version = group.model_version
+                s.reward = float(group.rewards[i])
+                s.reward_group_std = std
+                s.reward_func_group_std = func_std
+                samples.append(s)
+        now = time.time()
+        for s in samples:
+            s.group_num_samples = len(samples)
+            s.enqueued_at = now
+            self.shared.rollout_buffer.put(s)
+        return sum(len(s) for s in samples)
+
+    def _record_group_metrics(self, group: RolloutGroup, per_func: np.ndarray, dropped: bool) -> None:
+        m = self.metrics
+        rewards = group.rewards
+        scored = rewards[~np.isnan(rewards)]
+        m.extend("reward", scored)
+        for i, rf in enumerate(self.reward_funcs):
+            vals = per_func[i][~np.isnan(per_func[i])]
+            m.extend(f"rewards/{rf.name}/mean", vals)
+        m.add("frac_reward_zero_std", float(dropped))
+        m.add("rollout/groups_scored_count", 1)
+        m.add("rollout/groups_dropped_count", float(dropped))
+        if dropped and scored.size:
+            m.add("reward_dropped", float(scored.mean()))
+        seen: set[tuple[int, ...]] = set()
+        for r in group.rollouts:
+            key = tuple(t for turn in r.turns for t in (*turn.prompt_ids, -1, *turn.output_ids))
+            m.add("completions/duplicate_frac", float(key in seen))
+            seen.add(key)
+            n = len(r.completion_ids)
+            m.add("completions/mean_length", n)
+            m.add("completions/min_length", n)
+            m.add("completions/max_length", n)
+            terminated = bool(r.turns) and r.turns[-1].finish_reason == "stop"
+            m.add("completions/clipped_ratio", float(not terminated))
+            if terminated:
+                m.add("completions/mean_terminated_length", n)
+                m.add("completions/min_terminated_length", n)
+                m.add("completions/max_terminated_length", n)
+
+    def _report(self, force: bool = False) -> None:
+        now = time.monotonic()
+        elapsed = now - self._last_report
+        if not force and elapsed < METRICS_INTERVAL_S:
+            return
+        self._last_report = now
+        m = self.metrics
+        m.add_rate("rollout/generated_tokens_per_s", self._generated_tokens, elapsed)
+        self._generated_tokens = 0
+        m.set_gauge("rollout/concurrency", self._in_flight)
+        m.set_gauge("rollout/concurrency_cap", self.settings.rollout.max_concurrent_rollouts)
+        if self.score_queue is not None:
+            m.set_gauge("rollout/score_queue_size", self.score_queue.qsize())
+        if self.client is not None and self.client.retry_count:
+            m.add("rollout/vllm_retry_count", self.client.retry_count)
+            self.client.retry_count = 0
+        payload = m.take_payload()
+        try:
+            self.shared.metrics_queue.put_nowait(payload)
+        except Exception:  # a full metrics queue must never stall generation
+            pass
+
+
+async def _wait_some(tasks: set[asyncio.Task], timeout: float) -> tuple[set[asyncio.Task], set[asyncio.Task]]:
+    if not tasks:
+        await asyncio.sleep(timeout)
+        return set(), tasks
+    done, pending = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    return done, pending
+
+
+def _eos_ids(tokenizer: Any) -> list[int]:
+    eos = tokenizer.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [])

@@ -1,0 +1,237 @@
+"""The rollout process: spawned, CPU-only, runs an ``AsyncRolloutLoop`` on its own asyncio event loop.
+
+The trainer talks to it through shared state only: the rollout queue (samples and markers), the model version,
+the token allowance, a consumed-tokens counter, a wall-clock heartbeat, a failure event with the remote traceback,
+a stop event, and a metrics queue. Every wait on the trainer side has a timeout: a crash in the rollout process
+stops training with that traceback, and a hung process (no heartbeat for ``rollout_worker_timeout``) too.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from asyncgrpo_cli.errors import RolloutWorkerError, UserError
+
+# Environment variables that must not leak into the rollout process (it has no GPU and is not a torch rank).
+_STRIP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+              "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
+QUEUE_POLL_S = 1.0
+
+
+@dataclass
+class SharedState:
+    rollout_buffer: Any
+    metrics_queue: Any
+    exception_queue: Any
+    model_version: Any
+    token_allowance: Any
+    consumed_tokens: Any
+    heartbeat: Any
+    failed_event: Any
+    stop_event: Any
+    ready_event: Any
+
+    @classmethod
+    def create(cls, ctx: Any) -> SharedState:
+        return cls(
+            rollout_buffer=ctx.Queue(),
+            metrics_queue=ctx.Queue(maxsize=10_000),
+            exception_queue=ctx.Queue(maxsize=1),
+            model_version=ctx.Value("q", 0, lock=False),
+            token_allowance=ctx.Value("q", 0, lock=False),
+            consumed_tokens=ctx.Value("q", 0, lock=False),
+            heartbeat=ctx.Value("d", time.time(), lock=False),
+            failed_event=ctx.Event(),
+            stop_event=ctx.Event(),
+            ready_event=ctx.Event(),
+        )
+
+
+@dataclass
+class RolloutSpec:
+    """What the child needs to build its loop; pickled once at start (fail fast on unpicklable user code)."""
+
+    loop_target: str
+    settings: Any
+    dataset: Any
+    reward_entries: list[Any]
+
+
+def _child_main(spec: RolloutSpec, shared: SharedState) -> None:
+    """Entry point of the spawned process."""
+    import asyncio
+
+    try:
+        from asyncgrpo_cli import registry
+        from asyncgrpo_cli.rollout.scoring import load_reward_funcs
+
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        from transformers import AutoTokenizer
+
+        loop_cls = registry.resolve("rollout_loop", spec.loop_target)
+        tokenizer = AutoTokenizer.from_pretrained(spec.settings.tokenizer_path)
+        funcs = load_reward_funcs(spec.reward_entries)
+        loop = loop_cls(spec.settings, spec.dataset, funcs, tokenizer, shared)
+        shared.heartbeat.value = time.time()
+        shared.ready_event.set()
+        asyncio.run(_run_until_stopped(loop, shared))
+    except BaseException as e:  # report everything, including KeyboardInterrupt, then re-raise
+        info = (type(e).__name__, str(e), traceback.format_exc())
+        try:
+            shared.exception_queue.put_nowait(info)  # info before the event: a reader seeing the event sees it
+        except Exception:
+            pass
+        shared.failed_event.set()
+        raise
+
+
+async def _run_until_stopped(loop: Any, shared: SharedState) -> None:
+    import asyncio
+
+    main = asyncio.create_task(loop.run())
+    while not main.done():
+        if shared.stop_event.is_set():
+            main.cancel()
+            break
+        await asyncio.sleep(0.1)
+    try:
+        await main
+    except asyncio.CancelledError:
+        if not shared.stop_event.is_set():
+            raise
+        return
+    # Every prompt was generated: stay alive (and beating) until the trainer has drained the queue and stops us.
+    while not shared.stop_event.is_set():
+        shared.heartbeat.value = time.time()
+        await asyncio.sleep(0.2)
+
+
+@contextmanager
+def _child_environment():
+    """Hide GPUs and the distributed env from the child (spawn copies os.environ at start)."""
+    saved = {k: os.environ.get(k) for k in (*_STRIP_ENV, "CUDA_VISIBLE_DEVICES")}
+    for k in _STRIP_ENV:
+        os.environ.pop(k, None)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class RolloutProcess:
+    """Trainer-side handle: start, pull samples with health checks, publish version/allowance, stop."""
+
+    def __init__(self, spec: RolloutSpec, worker_timeout: float, start_timeout: float):
+        self.spec = spec
+        self.worker_timeout = worker_timeout
+        self.start_timeout = start_timeout
+        self.ctx = mp.get_context("spawn")
+        self.shared = SharedState.create(self.ctx)
+        self.process: Any = None
+
+    def start(self) -> None:
+        try:
+            pickle.dumps(self.spec)
+        except Exception as e:
+            raise UserError(
+                f"the rollout process's inputs cannot be pickled ({type(e).__name__}: {e}); reward functions, "
+                "rollout loops and datasets run in a spawned process: use module-level functions/classes, "
+                "functools.partial or callable instances, not lambdas or closures."
+            ) from e
+        with _child_environment():
+            self.process = self.ctx.Process(target=_child_main, args=(self.spec, self.shared), daemon=True,
+                                            name="asyncgrpo-rollout")
+            self.process.start()
+        deadline = time.monotonic() + self.start_timeout
+        while not self.shared.ready_event.wait(0.2):
+            self._raise_if_failed()
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RolloutWorkerError(
+                    f"the rollout process did not start within rollout.start_timeout={self.start_timeout:.0f}s"
+                )
+
+    # -- trainer-facing state ------------------------------------------------------------------------------
+    def set_model_version(self, version: int) -> None:
+        self.shared.model_version.value = int(version)
+
+    def set_allowance(self, tokens: int) -> None:
+        self.shared.token_allowance.value = int(tokens)
+
+    def add_consumed(self, tokens: int) -> None:
+        self.shared.consumed_tokens.value += int(tokens)
+
+    def queue_size(self) -> int:
+        try:
+            return self.shared.rollout_buffer.qsize()
+        except NotImplementedError:  # pragma: no cover - macOS
+            return -1
+
+    def get(self, timeout: float) -> Any:
+        """Next item from the rollout queue, or None after ``timeout``; raises if the process failed or hung."""
+        deadline = time.monotonic() + timeout
+        while True:
+            wait = min(QUEUE_POLL_S, max(0.0, deadline - time.monotonic()))
+            try:
+                return self.shared.rollout_buffer.get(timeout=wait)
+            except queue.Empty:
+                self.check_health()
+                if time.monotonic() >= deadline:
+                    return None
+
+    def drain_metrics(self) -> list[dict]:
+        out = []
+        while True:
+            try:
+                out.append(self.shared.metrics_queue.get_nowait())
+            except queue.Empty:
+                return out
+
+    def check_health(self) -> None:
+        self._raise_if_failed()
+        age = time.time() - self.shared.heartbeat.value
+        if age > self.worker_timeout:
+            raise RolloutWorkerError(
+                f"the rollout process sent no heartbeat for {age:.0f}s (rollout.rollout_worker_timeout="
+                f"{self.worker_timeout:.0f}s): it is hung (a blocking reward function or hook on its event loop?)"
+            )
+
+    def _raise_if_failed(self) -> None:
+        if self.shared.failed_event.is_set():
+            try:
+                name, msg, tb = self.shared.exception_queue.get(timeout=5)
+            except queue.Empty:
+                name, msg, tb = "Unknown", "no details", ""
+            raise RolloutWorkerError(f"the rollout process failed: {name}: {msg}\n--- rollout process traceback ---\n"
+                                     f"{tb}")
+        if self.process is not None and not self.process.is_alive():
+            raise RolloutWorkerError(f"the rollout process exited unexpectedly (exit code {self.process.exitcode})")
+
+    def stop(self) -> None:
+        """Stop the process (idempotent): stop event, then terminate, then kill; by PID, with timeouts."""
+        if self.process is None:
+            return
+        self.shared.stop_event.set()
+        self.process.join(15)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self.process = None
+        for q in (self.shared.rollout_buffer, self.shared.metrics_queue):
+            q.cancel_join_thread()

@@ -1,0 +1,123 @@
+"""Turning a rollout's turns into training sequences (samples), with fork-on-drift reconciliation.
+
+A turn whose prompt starts with the tokens kept so far extends the current sample (the new prompt tail becomes
+context, the sampled tokens become trained tokens). Any other turn starts a new sample (a fork): the chat template
+re-rendered the history differently. Every generated token is trained in exactly one sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from asyncgrpo_cli.rollout.types import Rollout, TrainingSequence, TurnRecord
+
+
+@dataclass
+class ReconcileStats:
+    transitions: int = 0
+    forks: int = 0
+    drift_tokens: list[int] = field(default_factory=list)
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x = np.asarray(a[:n], dtype=np.int64)
+    y = np.asarray(b[:n], dtype=np.int64)
+    diff = np.nonzero(x != y)[0]
+    return int(diff[0]) if diff.size else n
+
+
+class _Builder:
+    def __init__(self, num_topk: int):
+        self.ids: list[int] = []
+        self.mask: list[bool] = []
+        self.lps: list[float] = []
+        self.topk: list[dict[int, float] | None] = []
+        self.sampling_mask: list[list[int]] = []
+        self.num_topk = num_topk
+
+    def add_context(self, ids: list[int]) -> None:
+        self.ids.extend(ids)
+        self.mask.extend([False] * len(ids))
+        self.lps.extend([0.0] * len(ids))
+
+    def add_turn_output(self, turn: TurnRecord) -> None:
+        n = len(turn.output_ids)
+        mask = turn.output_mask if turn.output_mask is not None else [1] * n
+        lps = turn.output_log_probs
+        if any(mask) and len(lps) != n:
+            raise ValueError(
+                f"TurnRecord has {n} output tokens but {len(lps)} output_log_probs: sampler log-probs are required "
+                "for every trained token."
+            )
+        for j, tok in enumerate(turn.output_ids):
+            trained = bool(mask[j])
+            self.ids.append(int(tok))
+            self.mask.append(trained)
+            self.lps.append(float(lps[j]) if trained else 0.0)
+            if trained:
+                self.topk.append(turn.output_sampler_logprobs[j] if turn.output_sampler_logprobs else None)
+                if turn.output_sampling_mask is not None:
+                    self.sampling_mask.append(list(turn.output_sampling_mask[j]))
+
+    def build(self) -> TrainingSequence | None:
+        if not any(self.mask):
+            return None
+        topk_ids = topk_lps = None
+        if self.num_topk > 0 and any(t is not None for t in self.topk):
+            k = self.num_topk
+            topk_ids = np.full((len(self.topk), k), -1, dtype=np.int64)
+            topk_lps = np.full((len(self.topk), k), -np.inf, dtype=np.float32)
+            for i, entry in enumerate(self.topk):
+                if not entry:
+                    continue
+                best = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]
+                for j, (tok, lp) in enumerate(best):
+                    topk_ids[i, j] = tok
+                    topk_lps[i, j] = lp
+        return TrainingSequence(
+            input_ids=np.asarray(self.ids, dtype=np.int64),
+            train_mask=np.asarray(self.mask, dtype=bool),
+            sampler_logprobs=np.asarray(self.lps, dtype=np.float32),
+            topk_ids=topk_ids,
+            topk_logprobs=topk_lps,
+            sampling_mask=self.sampling_mask or None,
+        )
+
+
+def rollout_to_sequences(rollout: Rollout, num_topk: int) -> tuple[list[TrainingSequence], ReconcileStats]:
+    """Build the training sequences of one rollout (advantage and ids are attached by the caller)."""
+    stats = ReconcileStats()
+    samples: list[TrainingSequence] = []
+    builder: _Builder | None = None
+    for turn in rollout.turns:
+        if builder is None:
+            builder = _Builder(num_topk)
+            builder.add_context(list(turn.prompt_ids))
+        else:
+            stats.transitions += 1
+            kept = builder.ids
+            prompt = list(turn.prompt_ids)
+            if len(prompt) >= len(kept) and common_prefix_len(kept, prompt) == len(kept):
+                builder.add_context(prompt[len(kept):])
+                stats.drift_tokens.append(0)
+            else:
+                stats.forks += 1
+                stats.drift_tokens.append(len(kept) - common_prefix_len(kept, prompt))
+                done = builder.build()
+                if done is not None:
+                    samples.append(done)
+                builder = _Builder(num_topk)
+                builder.add_context(prompt)
+        builder.add_turn_output(turn)
+    if builder is not None:
+        done = builder.build()
+        if done is not None:
+            samples.append(done)
+    for s in samples:
+        s.rollout_id = rollout.rollout_id
+    return samples, stats

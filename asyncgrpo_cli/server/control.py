@@ -1,0 +1,104 @@
+"""Synchronous control-plane client for the generation server (trainer side): readiness, model info,
+pause/resume, ``collective_rpc``, prefix-cache reset, weight version. Every call has a timeout and a clear error.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from asyncgrpo_cli.errors import UserError
+
+
+class ServerControlError(RuntimeError):
+    """A control call failed (HTTP error or timeout); the message names the route and the server's answer."""
+
+
+@dataclass
+class ServerInfo:
+    model_id: str
+    max_model_len: int | None
+
+
+class ServerControl:
+    def __init__(self, base_url: str, timeout: float, control_timeout: float = 300.0):
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self._client = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(min(timeout, control_timeout),
+                                                                                   connect=10.0))
+
+    def close(self) -> None:
+        self._client.close()
+
+    # -- readiness ---------------------------------------------------------------------------------------------
+    def wait_ready(self, startup_timeout: float, key: str = "server.startup_timeout") -> None:
+        """Poll ``/health`` until it answers 200; raise a UserError naming the URL and the key after the timeout."""
+        deadline = time.monotonic() + startup_timeout
+        last = "no answer"
+        while True:
+            try:
+                resp = self._client.get("/health", timeout=min(10.0, max(0.5, deadline - time.monotonic())))
+                if resp.status_code == 200:
+                    return
+                last = f"HTTP {resp.status_code}"
+            except httpx.HTTPError as e:
+                last = f"{type(e).__name__}: {e}"
+            if time.monotonic() >= deadline:
+                raise UserError(
+                    f"the generation server at {self.base_url} did not answer GET /health within {key}="
+                    f"{startup_timeout:g}s (last: {last}). Start it (see the README for the vllm serve command) "
+                    "or fix server.base_url."
+                )
+            time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
+
+    def info(self) -> ServerInfo:
+        data = self._json("GET", "/v1/models")
+        try:
+            first = data["data"][0]
+        except (KeyError, IndexError, TypeError):
+            raise UserError(f"{self.base_url}/v1/models answered {str(data)[:200]!r}, which is not an OpenAI-style "
+                            "model list: is server.base_url a vLLM server?") from None
+        mml = first.get("max_model_len")
+        return ServerInfo(model_id=str(first["id"]), max_model_len=int(mml) if mml is not None else None)
+
+    # -- weight-update control -----------------------------------------------------------------------------
+    def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
+        self._json("POST", "/pause", params={"mode": mode, "clear_cache": str(clear_cache).lower()})
+
+    def resume(self) -> None:
+        self._json("POST", "/resume")
+
+    def collective_rpc(self, method: str, kwargs: dict[str, Any] | None = None) -> Any:
+        return self._json("POST", "/collective_rpc", json={"method": method, "args": [], "kwargs": kwargs or {},
+                                                          "timeout": self.timeout}, timeout=self.timeout)
+
+    def reset_prefix_cache(self) -> None:
+        self._json("POST", "/reset_prefix_cache")
+
+    def update_weight_version(self, version: str) -> None:
+        self._json("POST", "/update_weight_version", json={"new_version": version}, allow_404=True)
+
+    # -- internals -----------------------------------------------------------------------------------------
+    def _json(self, method: str, path: str, *, allow_404: bool = False, timeout: float | None = None,
+              **kwargs: Any) -> Any:
+        try:
+            resp = self._client.request(method, path, timeout=timeout or httpx.USE_CLIENT_DEFAULT, **kwargs)
+        except httpx.HTTPError as e:
+            raise ServerControlError(f"{method} {self.base_url}{path} failed: {type(e).__name__}: {e}") from e
+        if resp.status_code == 404 and allow_404:
+            return None
+        if resp.status_code == 404 and path in ("/pause", "/resume", "/collective_rpc", "/reset_prefix_cache"):
+            raise UserError(f"{self.base_url}{path} does not exist: start vLLM with VLLM_SERVER_DEV_MODE=1 (the "
+                            "weight-update routes are development routes).")
+        if resp.status_code != 200:
+            raise ServerControlError(f"{method} {self.base_url}{path} answered HTTP {resp.status_code}: "
+                                     f"{resp.text[:500]}")
+        if not resp.content:
+            return None
+        try:
+            return resp.json()
+        except ValueError:
+            return resp.text

@@ -1,0 +1,100 @@
+"""Pulling one optimizer step's micro-batches off the rollout queue.
+
+Samples older than ``max_staleness`` weight updates are dropped here (consume time); the rest go through the
+token-budget planner, which emits micro-batches (one row per rank). Markers from the rollout process resolve
+prompts that produced no sample, and ``RolloutDone`` ends an epoch-based run: the open rows are flushed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncgrpo_cli.metrics.reducer import MetricWindow
+from asyncgrpo_cli.packing.planner import MicroBatch, TokenBudgetPlanner
+from asyncgrpo_cli.rollout.staleness import is_stale
+from asyncgrpo_cli.rollout.types import PromptResolved, RolloutDone, TrainingSequence
+from asyncgrpo_cli.train.progress import PromptTracker
+
+GET_TIMEOUT_S = 1.0
+
+
+@dataclass
+class StepBatch:
+    microbatches: list[MicroBatch]
+    wait_s: float = 0.0
+    samples: list[TrainingSequence] = field(default_factory=list)
+
+    @property
+    def num_trained(self) -> int:
+        return sum(mb.num_trained for mb in self.microbatches)
+
+
+class StepCollector:
+    def __init__(self, rollout: Any, planner: TokenBudgetPlanner, tracker: PromptTracker, max_staleness: int,
+                 grad_accum: int, metrics: MetricWindow, should_stop: Any = None):
+        self.rollout = rollout
+        self.planner = planner
+        self.tracker = tracker
+        self.max_staleness = max_staleness
+        self.grad_accum = grad_accum
+        self.metrics = metrics
+        self.should_stop = should_stop or (lambda: False)
+        self.rollout_done = False
+        self._carry: list[MicroBatch] = []
+
+    @property
+    def exhausted(self) -> bool:
+        """No more data will come: the rollout process finished and nothing is left to train."""
+        return self.rollout_done and not self._carry and self.planner.num_open_samples == 0
+
+    def collect(self, model_version: int) -> StepBatch | None:
+        """Block (with health checks) until a full step is planned; None when the data is exhausted."""
+        step = StepBatch(microbatches=[])
+        while len(step.microbatches) < self.grad_accum:
+            if self._carry:
+                step.microbatches.append(self._carry.pop(0))
+                continue
+            if self.rollout_done:
+                mb = self.planner.flush()
+                if mb is None:
+                    break
+                step.microbatches.append(mb)
+                continue
+            if self.should_stop():
+                return None
+            t0 = time.monotonic()
+            item = self.rollout.get(timeout=GET_TIMEOUT_S)
+            step.wait_s += time.monotonic() - t0
+            if item is not None:
+                self._handle(item, model_version)
+        if not step.microbatches:
+            return None
+        step.samples = [s for mb in step.microbatches for r, row in enumerate(mb.rows)
+                        if r not in mb.filler_ranks for s in row]
+        return step
+
+    def _handle(self, item: Any, model_version: int) -> None:
+        if isinstance(item, PromptResolved):
+            self.tracker.resolve(item.prompt_seq)
+            return
+        if isinstance(item, RolloutDone):
+            self.rollout_done = True
+            return
+        sample: TrainingSequence = item
+        self.rollout.add_consumed(len(sample))
+        self.metrics.add("sample/time_in_queue_s", max(0.0, time.time() - sample.enqueued_at))
+        if is_stale(model_version, sample.model_version, self.max_staleness):
+            self.metrics.add("sample/dropped_stale_count", 1)
+            self.tracker.on_sample_done(sample.prompt_seq, sample.group_num_samples)
+            return
+        self.metrics.add("sample/staleness_mean", model_version - sample.model_version)
+        self.metrics.add("sample/staleness_max", model_version - sample.model_version)
+        dropped_before = self.planner.dropped_oversize_count
+        mb = self.planner.add(sample)
+        if self.planner.dropped_oversize_count > dropped_before:
+            self.metrics.add("batch/dropped_oversize_count", 1)
+            self.tracker.on_sample_done(sample.prompt_seq, sample.group_num_samples)
+        if mb is not None:
+            self._carry.append(mb)

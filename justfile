@@ -1,0 +1,38 @@
+# asyncgrpo tasks: `just` lists them. Everything runs from the project's own .venv.
+
+venv := ".venv"
+py := venv / "bin/python"
+
+# list the tasks
+default:
+    @just --list
+
+# create .venv with the CPU build of torch and the project (dev + quickstart extras)
+setup:
+    test -x {{py}} || python3 -m venv {{venv}}
+    {{py}} -m pip install -q torch==2.13.0 -e '.[dev,quickstart]'
+
+# run the whole test suite (what CI runs)
+test *ARGS: setup
+    {{py}} -m pytest {{ARGS}}
+
+# unit tests only (no subprocesses, seconds)
+test-fast *ARGS: setup
+    {{py}} -m pytest -m "not slow" {{ARGS}}
+
+# the offline quickstart: SmolLM2-135M-Instruct on arithmetic word problems (~15 min on 2 cores)
+quickstart *ARGS: setup
+    {{venv}}/bin/asyncgrpo train {{ARGS}}
+
+# a few steps of the tiny model (seconds)
+tiny *ARGS: setup
+    {{venv}}/bin/asyncgrpo train +recipe=tiny {{ARGS}}
+
+# lint and format check
+lint: setup
+    {{venv}}/bin/ruff check .
+    {{venv}}/bin/ruff format --check .
+
+# planning + packing overhead as a fraction of forward+backward (tiny model)
+bench-overhead *ARGS: setup
+    {{venv}}/bin/asyncgrpo bench trainer-overhead {{ARGS}}

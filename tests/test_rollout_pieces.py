@@ -1,0 +1,97 @@
+"""Staleness accounting, turn-to-sample reconciliation, prompt tracking for resume: plain data, no processes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from asyncgrpo_cli.rollout.sequences import rollout_to_sequences
+from asyncgrpo_cli.rollout.staleness import AllowanceTracker, initial_allowance, is_stale, step_allowance
+from asyncgrpo_cli.rollout.types import Rollout, TurnRecord
+from asyncgrpo_cli.train.progress import PromptTracker
+
+
+def test_allowance_formulas():
+    assert initial_allowance(max_staleness=4, token_budget=1000, rows_per_step=2) == 8000
+    assert initial_allowance(max_staleness=0, token_budget=1000, rows_per_step=1) == 1000  # max(ms, 1)
+    assert step_allowance(max_staleness=2, tokens_consumed_by_step=500) == 1000
+    assert step_allowance(max_staleness=0, tokens_consumed_by_step=500) == 500
+
+
+def test_stale_drop_rule():
+    assert not is_stale(trainer_version=5, sample_version=1, max_staleness=4)
+    assert is_stale(trainer_version=6, sample_version=1, max_staleness=4)
+    assert is_stale(trainer_version=1, sample_version=0, max_staleness=0)
+    assert not is_stale(trainer_version=0, sample_version=0, max_staleness=0)
+
+
+def test_one_group_at_a_time_until_first_completes_then_token_paced():
+    t = AllowanceTracker()
+    assert t.can_start(allowance=10_000, consumed=0)
+    t.start(0, num_generations=4)
+    assert not t.can_start(allowance=10_000, consumed=0)  # first group still running
+    t.finish(0, rollout_tokens=[100, 100, 100, 100], queued_tokens=400)
+    assert t.estimate_group(4) == 400
+    assert t.can_start(allowance=1000, consumed=0)  # 400 outstanding < 1000
+    t.start(1, 4)  # +400 estimated
+    assert t.outstanding(consumed=0) == 800
+    assert t.can_start(allowance=1000, consumed=0)
+    t.start(2, 4)
+    assert t.outstanding(consumed=0) == 1200
+    assert not t.can_start(allowance=1000, consumed=0)  # over the allowance: held
+    assert t.can_start(allowance=1000, consumed=400)  # the trainer consumed the first group
+    t.finish(1, [50] * 4, queued_tokens=0)  # dropped group: nothing queued
+    assert t.outstanding(consumed=400) == 400
+
+
+def _turn(prompt, out, lps=None, top=None, finish="stop"):
+    return TurnRecord(prompt_ids=prompt, output_ids=out, output_log_probs=lps or [-0.5] * len(out),
+                      output_sampler_logprobs=top, finish_reason=finish)
+
+
+def test_single_turn_sample_layout_and_topk():
+    top = [{7: -0.1, 8: -2.0, 9: -3.0}, {5: -0.2, 7: -1.5}]
+    r = Rollout(completion=[], completion_ids=[7, 5], turns=[_turn([1, 2, 3], [7, 5], [-0.1, -0.2], top)])
+    (s,), stats = rollout_to_sequences(r, num_topk=2)
+    assert s.input_ids.tolist() == [1, 2, 3, 7, 5]
+    assert s.train_mask.tolist() == [False, False, False, True, True]
+    np.testing.assert_allclose(s.sampler_logprobs, [0, 0, 0, -0.1, -0.2], atol=1e-7)
+    assert s.topk_ids.tolist() == [[7, 8], [5, 7]]
+    assert np.isclose(s.topk_logprobs[1, 1], -1.5)
+    assert stats.forks == 0 and stats.transitions == 0
+
+
+def test_clean_multi_turn_stays_one_sample_and_fork_trains_each_token_once():
+    t1 = _turn([1, 2], [10, 11])
+    t2 = _turn([1, 2, 10, 11, 20, 21], [12])  # extends: tool result 20 21 is context
+    (s,), stats = rollout_to_sequences(Rollout([], [10, 11, 12], [t1, t2]), 0)
+    assert s.input_ids.tolist() == [1, 2, 10, 11, 20, 21, 12]
+    assert s.train_mask.tolist() == [0, 0, 1, 1, 0, 0, 1]
+    assert stats.forks == 0 and stats.drift_tokens == [0]
+    t3 = _turn([1, 2, 99, 20, 21], [13])  # history re-rendered: fork
+    samples, stats = rollout_to_sequences(Rollout([], [], [t1, t3]), 0)
+    assert len(samples) == 2 and stats.forks == 1 and stats.drift_tokens == [2]
+    trained = [tok for s in samples for tok, m in zip(s.input_ids.tolist(), s.train_mask.tolist()) if m]
+    assert trained == [10, 11, 13]
+
+
+def test_output_mask_can_leave_a_rollout_without_samples():
+    t = TurnRecord(prompt_ids=[1], output_ids=[2, 3], output_log_probs=[], output_mask=[0, 0])
+    samples, _ = rollout_to_sequences(Rollout([], [2, 3], [t]), 0)
+    assert samples == []
+
+
+def test_prompt_tracker_low_water_mark_and_resolved_above():
+    t = PromptTracker()
+    t.on_sample_done(1, group_num_samples=2)
+    t.on_sample_done(1, group_num_samples=2)  # prompt 1 resolved, 0 not yet
+    assert t.low_water == 0 and t.resolved_above == {1}
+    t.resolve(3)  # e.g. a dropped zero-std group
+    t.on_sample_done(0, group_num_samples=1)
+    assert t.low_water == 2 and t.resolved_above == {3}
+    state = t.state()
+    assert state == {"prompt_index": 2, "resolved_above": [3], "trained_prompt_count": 3}
+    back = PromptTracker.from_state(state)
+    back.resolve(2)
+    assert back.low_water == 4 and back.consumed_count == 4
+    back.resolve(1)  # already resolved: ignored, never double counted
+    assert back.consumed_count == 4

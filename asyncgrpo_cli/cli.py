@@ -73,6 +73,7 @@ def _train(args: list[str]) -> None:
     args = with_default_recipe(args)
     precheck(args)
     register_schemas()
+    _quiet_libraries()
     import hydra
 
     saved = sys.argv
@@ -83,6 +84,17 @@ def _train(args: list[str]) -> None:
         sys.argv = saved
     if _failures:
         _die("\n".join(_failures), code=1)
+
+
+def _quiet_libraries() -> None:
+    """Keep the console for the run's own view: no per-request HTTP logs, no download/shard progress bars."""
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _train_job(dcfg) -> None:
@@ -96,6 +108,8 @@ def _train_job(dcfg) -> None:
     run_dir = Path(hc.runtime.output_dir)
     label = f"job {hc.job.num}" if hc.mode is not None and str(hc.mode).endswith("MULTIRUN") else "run"
     log = logging.getLogger("asyncgrpo")
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)  # Hydra's logging setup resets levels
     try:
         cfg = to_root_config(dcfg)
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -215,7 +215,12 @@ class AsyncRolloutLoop:
                     self.metrics.add("rollout/backpressure_s", time.monotonic() - held_since)
                     held_since = None
                 seq, epoch, idx = pending
-                groups.add(asyncio.create_task(self._run_group(seq, epoch, idx, self.dataset[idx])))
+                group_id = self._next_group_id
+                self._next_group_id += 1
+                # Account for the group before its task first runs, so the next admission check sees it.
+                self.allowance.start(group_id, G)
+                self._in_flight += G
+                groups.add(asyncio.create_task(self._run_group(group_id, seq, epoch, idx, self.dataset[idx])))
                 consumed += 1
                 pending = None
                 continue
@@ -239,13 +244,9 @@ class AsyncRolloutLoop:
                                "the trainer")
         accepted.setdefault(epoch, 0)
 
-    async def _run_group(self, seq: int, epoch: int, row_index: int, row: dict[str, Any]) -> None:
+    async def _run_group(self, group_id: int, seq: int, epoch: int, row_index: int, row: dict[str, Any]) -> None:
         G = self.settings.sampling.num_generations
-        group_id = self._next_group_id
-        self._next_group_id += 1
         version = int(self.shared.model_version.value)
-        self.allowance.start(group_id, G)
-        self._in_flight += G
         prompt = row["prompt"]
         try:
             rollouts = await asyncio.gather(*(self._timed_rollout(prompt, group_id) for _ in range(G)))

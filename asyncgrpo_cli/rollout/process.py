@@ -107,11 +107,19 @@ async def _run_until_stopped(loop: Any, shared: SharedState) -> None:
     except asyncio.CancelledError:
         if not shared.stop_event.is_set():
             raise
+        _abandon_queues(shared)
         return
     # Every prompt was generated: stay alive (and beating) until the trainer has drained the queue and stops us.
     while not shared.stop_event.is_set():
         shared.heartbeat.value = time.time()
         await asyncio.sleep(0.2)
+    _abandon_queues(shared)
+
+
+def _abandon_queues(shared: SharedState) -> None:
+    """On stop, exit without flushing unread items into the pipes (the trainer no longer reads them)."""
+    for q in (shared.rollout_buffer, shared.metrics_queue):
+        q.cancel_join_thread()
 
 
 @contextmanager

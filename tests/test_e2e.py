@@ -1,0 +1,115 @@
+"""End to end, the way users run it: `asyncgrpo train +recipe=tiny ...` in a subprocess, embedded server and all."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REFERENCE_METRICS = [
+    "reward", "reward_kept", "reward_group_std", "frac_reward_zero_std", "rewards/digits/mean",
+    "rewards/digits/group_std", "entropy", "num_tokens", "completions/mean_length", "completions/max_length",
+    "completions/clipped_ratio", "completions/duplicate_frac", "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/max", "sampling/masked_mean",
+    "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max", "sampling/sampler_mass",
+    "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean", "rollout/duration_s",
+    "rollout/generated_tokens_per_s", "rollout/concurrency", "rollout/queue_size", "rollout/score_s",
+    "sample/staleness_mean", "sample/staleness_max", "sample/time_in_queue_s", "batch/trained_tokens_per_step",
+    "batch/forwarded_tokens_per_step", "batch/samples_per_row", "batch/row_fill_frac", "batch/packing_ratio",
+    "perf/step_s", "perf/fwd_bwd_s", "perf/optimizer_s", "perf/rollout_wait_s", "perf/weight_sync_s",
+    "perf/wall_clock_trained_tokens_per_s",
+]
+
+
+def train(*overrides: str, timeout: float = 240, multirun: bool = False) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "asyncgrpo_cli", "train", *(["-m"] if multirun else []), "+recipe=tiny",
+            "logging.console=plain", *overrides]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_writes_metrics_checkpoint_and_resumes(tmp_path):
+    run = tmp_path / "run"
+    out = train("trainer.max_steps=3", "trainer.save_steps=2", f"hydra.run.dir={run}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    seen = set().union(*rows)
+    missing = [m for m in REFERENCE_METRICS if m not in seen]
+    assert not missing, missing
+    assert rows[-1]["model_version"] == 3  # one sync per step
+    assert rows[-1]["num_tokens"] > rows[0]["num_tokens"] > 0
+    assert (run / "resolved.yaml").is_file()
+    ckpts = sorted((run / "checkpoints").iterdir())
+    assert [c.name for c in ckpts] == ["step-000002", "step-000003"]
+    state = json.loads((ckpts[-1] / "rollout_state.json").read_text())
+    assert state["model_version"] == 3 and state["prompt_index"] >= 1 and state["trained_prompt_count"] >= 3
+    assert (ckpts[-1] / "model.safetensors").is_file() and (ckpts[-1] / "optimizer.pt").is_file()
+
+    out = train("trainer.max_steps=5", "trainer.resume=auto", f"hydra.run.dir={run}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[-1]["model_version"] == 5 and rows[-1]["num_tokens"] > rows[2]["num_tokens"]
+    resumed = json.loads((run / "checkpoints" / "step-000005" / "rollout_state.json").read_text())
+    assert resumed["trained_prompt_count"] > state["trained_prompt_count"]
+    assert resumed["prompt_index"] >= state["prompt_index"]
+
+
+def test_multirun_sweep_jobs_start_clean(tmp_path):
+    sweep = tmp_path / "sweep"
+    out = train("rollout.max_staleness=0,2", "trainer.max_steps=2", "trainer.save_steps=0",
+                f"hydra.sweep.dir={sweep}", multirun=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for job, staleness in (("0", 0), ("1", 2)):
+        rows = read_metrics(sweep / job)
+        assert [r["step"] for r in rows] == [1, 2]
+        resolved = (sweep / job / "resolved.yaml").read_text()
+        assert f"max_staleness: {staleness}" in resolved
+
+
+def test_epoch_based_run_stops_after_one_pass(tmp_path):
+    run = tmp_path / "epochs"
+    out = train("trainer.max_steps=-1", "trainer.num_train_epochs=1", "data.num_examples=6", "trainer.save_steps=0",
+                f"hydra.run.dir={run}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (ckpt,) = (run / "checkpoints").iterdir()
+    state = json.loads((ckpt / "rollout_state.json").read_text())
+    assert state["trained_prompt_count"] == 6 and state["prompt_index"] == 6
+
+
+def test_rollout_crash_stops_training_with_its_traceback(tmp_path):
+    t0 = time.monotonic()
+    out = train("rewards.funcs=[tests.helpers.bad_rewards:exploding_reward]", f"hydra.run.dir={tmp_path / 'r'}",
+                timeout=180)
+    assert out.returncode != 0
+    assert "exploding_reward" in out.stderr and "reward exploded on purpose" in out.stderr
+    assert "rollout process traceback" in out.stderr
+    assert time.monotonic() - t0 < 120
+
+
+def test_unreachable_server_fails_fast_with_the_key(tmp_path):
+    t0 = time.monotonic()
+    out = train("server=vllm", "server.base_url=http://127.0.0.1:9", "server.startup_timeout=3",
+                f"hydra.run.dir={tmp_path / 'r'}", timeout=120)
+    assert out.returncode != 0
+    assert "http://127.0.0.1:9" in out.stderr and "server.startup_timeout=3" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert time.monotonic() - t0 < 60
+
+
+def test_missing_prompt_column_names_the_columns(tmp_path):
+    out = train("data.prompt_column=question", f"hydra.run.dir={tmp_path / 'r'}", timeout=120)
+    assert out.returncode != 0
+    assert "data.prompt_column 'question' is not a column" in out.stderr and "prompt, task_id" in out.stderr

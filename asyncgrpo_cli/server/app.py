@@ -1,0 +1,477 @@
+"""The embedded generation server: the subset of vLLM's HTTP API the rollout client and the weight sync use.
+
+Same routes, field names, shapes and metric names as vLLM (``VLLM_SERVER_DEV_MODE=1`` routes included), so the
+client has one code path. It exists so the quickstart runs on a laptop CPU and tests run in seconds; it is not a
+production engine. Standard library HTTP (``ThreadingHTTPServer``, HTTP/1.1 keep-alive), loopback by default.
+
+    python -m asyncgrpo_cli.server.app --model DIR [--port 0] [--ready-file PATH] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from asyncgrpo_cli.config.schema import EmbeddedServerConfig
+from asyncgrpo_cli.errors import UserError
+from asyncgrpo_cli.server.engine import GenerationEngine
+from asyncgrpo_cli.server.metrics import render_metrics
+from asyncgrpo_cli.server.protocol import (
+    ApiError,
+    ModelContext,
+    build_completion_response,
+    parse_completion_request,
+)
+
+log = logging.getLogger("asyncgrpo.server")
+
+PORT_IN_USE_EXIT = 3
+Payload = dict[str, Any] | str | None
+Route = Callable[["EmbeddedApp", dict[str, str], bytes], tuple[int, Payload]]
+
+
+class PortInUseError(UserError):
+    """The configured port is taken (``main`` exits with status 3)."""
+
+
+@dataclass
+class EmbeddedApp:
+    """Server state shared by the request threads: the engine, the model context and the weight version."""
+
+    engine: GenerationEngine
+    ctx: ModelContext
+    model_dir: str
+    cfg: EmbeddedServerConfig
+    dtype_name: str
+    weight_version: str = "default"
+    stopping: threading.Event = field(default_factory=threading.Event)
+
+
+def _json_body(body: bytes) -> Any:
+    if not body:
+        return {}
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(f"the request body is not valid JSON: {e}") from None
+
+
+def _wait_all(app: EmbeddedApp, handles: list[Any]) -> None:
+    for h in handles:
+        while not h.wait(1.0):
+            if app.stopping.is_set():
+                raise ApiError("the server is shutting down", 503, "ServiceUnavailableError")
+        if h.error:
+            raise ApiError(h.error, 500, "InternalServerError")
+
+
+# -- routes -----------------------------------------------------------------------------------------------------
+def completions(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, Payload]:
+    plan = parse_completion_request(_json_body(body), app.ctx)
+    handles = [app.engine.submit(r) for r in plan.requests]
+    _wait_all(app, handles)
+    return 200, build_completion_response(plan, [h.completions for h in handles], app.ctx)
+
+
+def models(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, Payload]:
+    card = {
+        "id": app.ctx.served_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "asyncgrpo",
+        "root": app.model_dir,
+        "parent": None,
+        "max_model_len": app.ctx.max_model_len,
+        "permission": [],
+    }
+    return 200, {"object": "list", "data": [card]}
+
+
+def health(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, Payload]:
+    return 200, None
+
+
+def metrics(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, Payload]:
+    return 200, render_metrics(app.engine.stats(), app.ctx.served_name, app.cfg)
+
+
+def pause(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, Payload]:
+    mode = query.get("mode", "abort")
+    if mode not in ("abort", "wait", "keep"):
+        raise ApiError(f"mode must be one of abort, wait, keep; got {mode!r}", param="mode")
+    clear = query.get("clear_cache", "true").lower()
+    if clear not in ("true", "false", "1", "0"):
+        raise ApiError(f"clear_cache must be true or false; got {clear!r}", param="clear_cache")
+    app.engine.pause(mode, clear_cache=clear in ("true", "1"))
+    return 200, {"status": "paused"}
+
+
+def resume(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, Payload]:
+    app.engine.resume()
+    return 200, {"status": "resumed"}
+
+
+def is_paused(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, Payload]:
+    return 200, {"is_paused": app.engine.is_paused}
+
+
+def collective_rpc(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, Payload]:
+    req = _json_body(body)
+    method = req.get("method") if isinstance(req, dict) else None
+    if method != "reload_weights":
+        raise ApiError(
+            f"collective_rpc method {method!r} is not supported by the embedded server "
+            "(supported: reload_weights)",
+            param="method",
+        )
+    kwargs = req.get("kwargs") or {}
+    args = req.get("args") or []
+    path = kwargs.get("weights_path") or (args[0] if args else None) or app.model_dir
+    try:
+        app.engine.reload_weights(path)
+    except (ValueError, OSError) as e:
+        raise ApiError(str(e), param="weights_path") from None
+    log.info("reloaded weights from %s", path)
+    return 200, {"results": [None]}
+
+
+def reset_prefix_cache(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, Payload]:
+    return 200, {"success": app.engine.reset_prefix_cache()}
+
+
+def update_weight_version(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, Payload]:
+    req = _json_body(body)
+    version = req.get("new_version") if isinstance(req, dict) else None
+    if version is None:
+        raise ApiError("new_version is required", param="new_version")
+    app.weight_version = str(version)
+    return 200, {"success": True, "new_version": app.weight_version}
+
+
+def weight_info(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, Payload]:
+    return 200, {"weight_version": app.weight_version}
+
+
+def world_size(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, Payload]:
+    return 200, {"world_size": 1}
+
+
+def server_info(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, Payload]:
+    model_config = {
+        "model": app.model_dir,
+        "served_model_name": app.ctx.served_name,
+        "dtype": app.dtype_name,
+        "max_model_len": app.ctx.max_model_len,
+        "max_logprobs": app.ctx.max_logprobs,
+        "logprobs_mode": "processed_logprobs",
+    }
+    config = {
+        "model_config": model_config,
+        "lora_config": None,
+        "parallel_config": {"data_parallel_size": 1, "tensor_parallel_size": 1, "pipeline_parallel_size": 1},
+        "cache_config": {
+            "block_size": 1,
+            "num_gpu_blocks": app.cfg.kv_cache_tokens,
+            "enable_prefix_caching": app.cfg.prefix_cache_size > 0,
+        },
+        "scheduler_config": {"max_num_seqs": app.cfg.max_num_seqs},
+    }
+    if query.get("config_format", "text") == "json":
+        return 200, {"vllm_config": config, "server": "asyncgrpo-embedded"}
+    return 200, {"vllm_config": json.dumps(config), "server": "asyncgrpo-embedded"}
+
+
+ROUTES: dict[tuple[str, str], Route] = {
+    ("GET", "/health"): health,
+    ("GET", "/v1/models"): models,
+    ("POST", "/v1/completions"): completions,
+    ("GET", "/metrics"): metrics,
+    ("POST", "/pause"): pause,
+    ("POST", "/resume"): resume,
+    ("GET", "/is_paused"): is_paused,
+    ("POST", "/collective_rpc"): collective_rpc,
+    ("POST", "/reset_prefix_cache"): reset_prefix_cache,
+    ("POST", "/update_weight_version"): update_weight_version,
+    ("GET", "/weight_info"): weight_info,
+    ("GET", "/get_world_size"): world_size,
+    ("GET", "/server_info"): server_info,
+}
+
+
+# -- HTTP -------------------------------------------------------------------------------------------------------
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "asyncgrpo-embedded"
+    timeout = 600  # seconds an idle keep-alive connection is held open
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._dispatch("POST")
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - overrides http.server
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def _dispatch(self, method: str) -> None:
+        url = urlsplit(self.path)
+        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        try:
+            body = self._read_body()
+            route = ROUTES.get((method, url.path))
+            if route is None:
+                allowed = any(path == url.path for _, path in ROUTES)
+                raise ApiError(
+                    f"{'Method Not Allowed' if allowed else 'Not Found'}: {method} {url.path}",
+                    405 if allowed else 404,
+                    "MethodNotAllowed" if allowed else "NotFoundError",
+                )
+            status, payload = route(self.server.app, query, body)  # type: ignore[attr-defined]
+        except ApiError as e:
+            status, payload = e.status, e.body()
+        except Exception as e:  # a bug: answer 500 with the message rather than dropping the connection
+            log.exception("%s %s failed", method, url.path)
+            status, payload = 500, ApiError(f"{type(e).__name__}: {e}", 500, "InternalServerError").body()
+        self._send(status, payload)
+
+    def _read_body(self) -> bytes:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            self.close_connection = True
+            raise ApiError(
+                "chunked request bodies are not supported; send Content-Length", 411, "LengthRequired"
+            )
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            self.close_connection = True
+            raise ApiError("invalid Content-Length header") from None
+        return self.rfile.read(length) if length > 0 else b""
+
+    def _send(self, status: int, payload: Payload) -> None:
+        if payload is None:
+            data, ctype = b"", "application/json"
+        elif isinstance(payload, str):
+            data, ctype = payload.encode(), "text/plain; version=0.0.4; charset=utf-8"
+        else:
+            data, ctype = json.dumps(payload).encode(), "application/json"
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if data:
+                self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):  # the client went away while we generated
+            self.close_connection = True
+
+
+class EmbeddedHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256
+    app: EmbeddedApp
+
+
+def bind(host: str, port: int) -> EmbeddedHTTPServer:
+    """Bind the listening socket (port 0 picks a free port); a taken port raises ``PortInUseError``."""
+    try:
+        return EmbeddedHTTPServer((host, port), _Handler)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise PortInUseError(
+                f"server.embedded.port: port {port} on {host} is already in use; pick another port "
+                "(server.embedded.port=N) or 0 for a free one."
+            ) from None
+        raise
+
+
+# -- startup ----------------------------------------------------------------------------------------------------
+def build_app(model_dir: str, cfg: EmbeddedServerConfig, served_model_name: str | None = None) -> EmbeddedApp:
+    """Load the model and tokenizer and start the engine thread."""
+    from transformers import AutoTokenizer
+
+    from asyncgrpo_cli.server.model import eos_token_ids, load_model, sampling_defaults
+
+    if cfg.kv_cache_tokens < cfg.max_model_len:
+        raise UserError(
+            f"server.embedded.kv_cache_tokens ({cfg.kv_cache_tokens}) must hold at least one "
+            f"server.embedded.max_model_len ({cfg.max_model_len}) sequence; raise kv_cache_tokens."
+        )
+    model = load_model(model_dir, cfg.dtype)
+    max_pos = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if max_pos is not None and cfg.max_model_len > max_pos:
+        raise UserError(
+            f"server.embedded.max_model_len ({cfg.max_model_len}) exceeds the model's "
+            f"max_position_embeddings ({max_pos}); lower server.embedded.max_model_len."
+        )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = GenerationEngine(
+        model,
+        eos_token_ids=eos_token_ids(model, tokenizer, model_dir),
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        kv_cache_tokens=cfg.kv_cache_tokens,
+        prefix_cache_size=cfg.prefix_cache_size,
+    ).start()
+    ctx = ModelContext(
+        served_name=served_model_name or model_dir,
+        tokenizer=tokenizer,
+        vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+        max_model_len=cfg.max_model_len,
+        defaults=sampling_defaults(model_dir),
+    )
+    return EmbeddedApp(engine=engine, ctx=ctx, model_dir=model_dir, cfg=cfg, dtype_name=str(model.dtype))
+
+
+def default_num_threads() -> int:
+    """Half the cores this process may run on (at least 1): the trainer shares the machine."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 2
+    return max(1, cores // 2)
+
+
+def write_ready_file(path: str | Path, port: int) -> None:
+    """Write ``{"port", "pid"}`` atomically (a temporary file renamed over the target)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"port": port, "pid": os.getpid()}))
+    os.replace(tmp, path)
+
+
+def run_server(
+    model_dir: str | Path,
+    cfg: EmbeddedServerConfig,
+    served_model_name: str | None = None,
+    ready_file: str | Path | None = None,
+) -> None:
+    """Serve until SIGTERM / Ctrl-C. Binds first (a busy port fails fast), then loads the model."""
+    import torch
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(cfg.num_threads or default_num_threads())
+    server = bind(cfg.host, cfg.port)
+    stop = threading.Event()
+    previous = _install_signal_handlers(stop)
+    try:
+        app = build_app(str(model_dir), cfg, served_model_name)
+        server.app = app
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
+        thread.start()
+        port = server.server_address[1]
+        log.info(
+            "embedded server: %s as %r on http://%s:%d (%d torch threads)",
+            model_dir,
+            app.ctx.served_name,
+            cfg.host,
+            port,
+            torch.get_num_threads(),
+        )
+        if torch.get_num_threads() > 1 and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+            log.warning(
+                "OMP_WAIT_POLICY is not PASSIVE: if other processes share these cores, generation can be "
+                "10x slower; export OMP_WAIT_POLICY=PASSIVE before starting the server"
+            )
+        if ready_file:
+            write_ready_file(ready_file, port)
+        while not stop.wait(0.5) and thread.is_alive():
+            pass
+        log.info("embedded server: stopping")
+        app.stopping.set()
+        server.shutdown()
+        app.engine.shutdown()
+    finally:
+        server.server_close()
+        _restore_signal_handlers(previous)
+
+
+def _install_signal_handlers(stop: threading.Event) -> dict[int, Any]:
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is not threading.main_thread():
+        return previous
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous[sig] = signal.signal(sig, lambda *_: stop.set())
+    return previous
+
+
+def _restore_signal_handlers(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def _watch_parent(parent_pid: int, interval: float = 1.0) -> None:
+    """SIGTERM ourselves once the launching process is gone (we get re-parented), so no server is orphaned."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    d = EmbeddedServerConfig()
+    p = argparse.ArgumentParser(prog="python -m asyncgrpo_cli.server.app", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="model directory (save_pretrained layout)")
+    p.add_argument("--served-model-name", default=None, help="name in /v1/models (default: the model path)")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
+    p.add_argument("--ready-file", default=None, help="write {port, pid} here once serving")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--kv-cache-tokens", type=int, default=d.kv_cache_tokens)
+    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--num-threads", type=int, default=d.num_threads)
+    p.add_argument("--prefix-cache-size", type=int, default=d.prefix_cache_size)
+    p.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="stop when the launching process exits (used by EmbeddedServerProcess)",
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = EmbeddedServerConfig(
+        host=args.host,
+        port=args.port,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_tokens=args.kv_cache_tokens,
+        dtype=args.dtype,
+        num_threads=args.num_threads,
+        prefix_cache_size=args.prefix_cache_size,
+    )
+    if args.exit_with_parent:
+        _watch_parent(os.getppid())
+    try:
+        run_server(args.model, cfg, served_model_name=args.served_model_name, ready_file=args.ready_file)
+    except PortInUseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return PORT_IN_USE_EXIT
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

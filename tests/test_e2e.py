@@ -113,3 +113,16 @@ def test_missing_prompt_column_names_the_columns(tmp_path):
     out = train("data.prompt_column=question", f"hydra.run.dir={tmp_path / 'r'}", timeout=120)
     assert out.returncode != 0
     assert "data.prompt_column 'question' is not a column" in out.stderr and "prompt, task_id" in out.stderr
+
+
+def test_busy_port_names_the_key(tmp_path):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)
+        port = sock.getsockname()[1]
+        out = train(f"server.embedded.port={port}", f"hydra.run.dir={tmp_path / 'r'}", timeout=120)
+    assert out.returncode != 0
+    assert "server.embedded.port" in out.stderr and str(port) in out.stderr
+    assert "Traceback" not in out.stderr

@@ -57,6 +57,7 @@ class Trainer:
         self.with_topk = bool(getattr(parts.loss_fn, "needs_sampler_topk", False))
         self.params = [q for q in parts.model.parameters() if q.requires_grad]
         self._last_save_step = -1
+        self._last_logged_step = parts.state.step
 
     # ------------------------------------------------------------------ loop
     def train(self) -> TrainerState:
@@ -208,14 +209,15 @@ class Trainer:
         self.p.metrics_logger.log_completions(shown, step=self.p.state.step)
 
     def _flush_logs(self, force: bool = False) -> None:
+        """Log the window every ``logging_steps`` steps; at the end (``force``) log a last partial window."""
         p = self.p
         for payload in p.rollout.drain_metrics():
             self.window.merge(payload)
-        if not force and p.state.step % self.cfg.logging.logging_steps != 0:
-            return
-        if len(self.window) == 0:
+        due = p.state.step % self.cfg.logging.logging_steps == 0
+        if (not force and not due) or p.state.step == self._last_logged_step or len(self.window) == 0:
             return
         p.metrics_logger.log(p.state.step, self.window.reduce())
+        self._last_logged_step = p.state.step
         self.window.reset()
 
     # ------------------------------------------------------------------ checkpoints

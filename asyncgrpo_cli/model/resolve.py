@@ -46,6 +46,8 @@ def resolve_model_path(name_or_path: str) -> str:
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
         try:
             builder(tmp)
+            for path in (tmp, *tmp.rglob("*")):  # mkdtemp is private (0700): make the cache readable
+                path.chmod(0o755 if path.is_dir() else 0o644)
             os.replace(tmp, dest)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

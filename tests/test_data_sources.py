@@ -19,20 +19,30 @@ def _jsonl(tmp_path, rows):
 
 def test_string_prompts_become_one_user_message_and_columns_survive(tmp_path):
     path = _jsonl(tmp_path, [{"question": "2+2?", "solution": "4"}, {"question": "3+3?", "solution": "6"}])
-    ds = load_prompts(DataConfig(source="hf", path=str(path), prompt_column="question", system_prompt="Be brief."))
-    assert ds[0]["prompt"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    ds = load_prompts(
+        DataConfig(source="hf", path=str(path), prompt_column="question", system_prompt="Be brief.")
+    )
+    assert ds[0]["prompt"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+    ]
     assert ds[1]["solution"] == "6" and "question" not in ds.column_names
 
 
 def test_missing_prompt_column_lists_the_columns(tmp_path):
     path = _jsonl(tmp_path, [{"question": "2+2?", "solution": "4"}])
-    with pytest.raises(UserError, match=r"data.prompt_column 'prompt' is not a column of the dataset \(columns: "
-                                        r"question, solution\)"):
+    with pytest.raises(
+        UserError,
+        match=r"data.prompt_column 'prompt' is not a column of the dataset \(columns: "
+        r"question, solution\)",
+    ):
         load_prompts(DataConfig(source="hf", path=str(path)))
 
 
 def test_malformed_prompt_names_the_row(tmp_path):
-    path = _jsonl(tmp_path, [{"prompt": [{"role": "user", "content": "hi"}]}, {"prompt": [{"text": "no role"}]}])
+    path = _jsonl(
+        tmp_path, [{"prompt": [{"role": "user", "content": "hi"}]}, {"prompt": [{"text": "no role"}]}]
+    )
     ds = load_hf(DataConfig(source="hf", path=str(path)))
     with pytest.raises(UserError, match="row 1 holds list"):
         prepare_dataset(ds, DataConfig(source="hf", path=str(path)))

@@ -14,23 +14,61 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REFERENCE_METRICS = [
-    "reward", "reward_kept", "reward_group_std", "frac_reward_zero_std", "rewards/digits/mean",
-    "rewards/digits/group_std", "entropy", "num_tokens", "completions/mean_length", "completions/max_length",
-    "completions/clipped_ratio", "completions/duplicate_frac", "sampling/importance_sampling_ratio/mean",
-    "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/max", "sampling/masked_mean",
-    "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max", "sampling/sampler_mass",
-    "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean", "rollout/duration_s",
-    "rollout/generated_tokens_per_s", "rollout/concurrency", "rollout/queue_size", "rollout/score_s",
-    "sample/staleness_mean", "sample/staleness_max", "sample/time_in_queue_s", "batch/trained_tokens_per_step",
-    "batch/forwarded_tokens_per_step", "batch/samples_per_row", "batch/row_fill_frac", "batch/packing_ratio",
-    "perf/step_s", "perf/fwd_bwd_s", "perf/optimizer_s", "perf/rollout_wait_s", "perf/weight_sync_s",
+    "reward",
+    "reward_kept",
+    "reward_group_std",
+    "frac_reward_zero_std",
+    "rewards/digits/mean",
+    "rewards/digits/group_std",
+    "entropy",
+    "num_tokens",
+    "completions/mean_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "completions/duplicate_frac",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/max",
+    "sampling/masked_mean",
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+    "sampling/sampler_mass",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "rollout/duration_s",
+    "rollout/generated_tokens_per_s",
+    "rollout/concurrency",
+    "rollout/queue_size",
+    "rollout/score_s",
+    "sample/staleness_mean",
+    "sample/staleness_max",
+    "sample/time_in_queue_s",
+    "batch/trained_tokens_per_step",
+    "batch/forwarded_tokens_per_step",
+    "batch/samples_per_row",
+    "batch/row_fill_frac",
+    "batch/packing_ratio",
+    "perf/step_s",
+    "perf/fwd_bwd_s",
+    "perf/optimizer_s",
+    "perf/rollout_wait_s",
+    "perf/weight_sync_s",
     "perf/wall_clock_trained_tokens_per_s",
 ]
 
 
 def train(*overrides: str, timeout: float = 240, multirun: bool = False) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "asyncgrpo_cli", "train", *(["-m"] if multirun else []), "+recipe=tiny",
-            "logging.console=plain", *overrides]
+    args = [
+        sys.executable,
+        "-m",
+        "asyncgrpo_cli",
+        "train",
+        *(["-m"] if multirun else []),
+        "+recipe=tiny",
+        "logging.console=plain",
+        *overrides,
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -69,8 +107,14 @@ def test_train_writes_metrics_checkpoint_and_resumes(tmp_path):
 
 def test_multirun_sweep_jobs_start_clean(tmp_path):
     sweep = tmp_path / "sweep"
-    out = train("rollout.max_staleness=0,2", "trainer.max_steps=2", "trainer.save_steps=0",
-                f"hydra.sweep.dir={sweep}", multirun=True, timeout=400)
+    out = train(
+        "rollout.max_staleness=0,2",
+        "trainer.max_steps=2",
+        "trainer.save_steps=0",
+        f"hydra.sweep.dir={sweep}",
+        multirun=True,
+        timeout=400,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     for job, staleness in (("0", 0), ("1", 2)):
         rows = read_metrics(sweep / job)
@@ -81,8 +125,13 @@ def test_multirun_sweep_jobs_start_clean(tmp_path):
 
 def test_epoch_based_run_stops_after_one_pass(tmp_path):
     run = tmp_path / "epochs"
-    out = train("trainer.max_steps=-1", "trainer.num_train_epochs=1", "data.num_examples=6", "trainer.save_steps=0",
-                f"hydra.run.dir={run}")
+    out = train(
+        "trainer.max_steps=-1",
+        "trainer.num_train_epochs=1",
+        "data.num_examples=6",
+        "trainer.save_steps=0",
+        f"hydra.run.dir={run}",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     (ckpt,) = (run / "checkpoints").iterdir()
     state = json.loads((ckpt / "rollout_state.json").read_text())
@@ -91,8 +140,11 @@ def test_epoch_based_run_stops_after_one_pass(tmp_path):
 
 def test_rollout_crash_stops_training_with_its_traceback(tmp_path):
     t0 = time.monotonic()
-    out = train("rewards.funcs=[tests.helpers.bad_rewards:exploding_reward]", f"hydra.run.dir={tmp_path / 'r'}",
-                timeout=180)
+    out = train(
+        "rewards.funcs=[tests.helpers.bad_rewards:exploding_reward]",
+        f"hydra.run.dir={tmp_path / 'r'}",
+        timeout=180,
+    )
     assert out.returncode != 0
     assert "exploding_reward" in out.stderr and "reward exploded on purpose" in out.stderr
     assert "rollout process traceback" in out.stderr
@@ -101,8 +153,13 @@ def test_rollout_crash_stops_training_with_its_traceback(tmp_path):
 
 def test_unreachable_server_fails_fast_with_the_key(tmp_path):
     t0 = time.monotonic()
-    out = train("server=vllm", "server.base_url=http://127.0.0.1:9", "server.startup_timeout=3",
-                f"hydra.run.dir={tmp_path / 'r'}", timeout=120)
+    out = train(
+        "server=vllm",
+        "server.base_url=http://127.0.0.1:9",
+        "server.startup_timeout=3",
+        f"hydra.run.dir={tmp_path / 'r'}",
+        timeout=120,
+    )
     assert out.returncode != 0
     assert "http://127.0.0.1:9" in out.stderr and "server.startup_timeout=3" in out.stderr
     assert "Traceback" not in out.stderr

@@ -44,8 +44,13 @@ def test_one_group_at_a_time_until_first_completes_then_token_paced():
 
 
 def _turn(prompt, out, lps=None, top=None, finish="stop"):
-    return TurnRecord(prompt_ids=prompt, output_ids=out, output_log_probs=lps or [-0.5] * len(out),
-                      output_sampler_logprobs=top, finish_reason=finish)
+    return TurnRecord(
+        prompt_ids=prompt,
+        output_ids=out,
+        output_log_probs=lps or [-0.5] * len(out),
+        output_sampler_logprobs=top,
+        finish_reason=finish,
+    )
 
 
 def test_single_turn_sample_layout_and_topk():

@@ -89,22 +89,44 @@ def _wrong_length(completions, **kwargs):
 
 
 def _run(funcs, kwargs, n, row=7):
-    return asyncio.run(call_reward_funcs([RewardFunction(f.__name__, f, asyncio.iscoroutinefunction(f))
-                                          for f in funcs], kwargs, n, row, None))
+    return asyncio.run(
+        call_reward_funcs(
+            [RewardFunction(f.__name__, f, asyncio.iscoroutinefunction(f)) for f in funcs],
+            kwargs,
+            n,
+            row,
+            None,
+        )
+    )
 
 
 def test_reference_examples_length_format_async():
-    comps = [[{"role": "assistant", "content": "<think>The sum of 1 and 2 is 3, which we multiply by 4 to get 12."
-               "</think><answer>(1 + 2) * 4 = 12</answer>"}],
-             [{"role": "assistant", "content": "The sum of 1 and 2 is 3, which we multiply by 4 to get 12."}]]
-    kwargs = {"prompts": [[], []], "completions": comps, "completion_ids": [[6303, 13], [304, 279, 12884, 13]]}
+    comps = [
+        [
+            {
+                "role": "assistant",
+                "content": "<think>The sum of 1 and 2 is 3, which we multiply by 4 to get 12."
+                "</think><answer>(1 + 2) * 4 = 12</answer>",
+            }
+        ],
+        [{"role": "assistant", "content": "The sum of 1 and 2 is 3, which we multiply by 4 to get 12."}],
+    ]
+    kwargs = {
+        "prompts": [[], []],
+        "completions": comps,
+        "completion_ids": [[6303, 13], [304, 279, 12884, 13]],
+    }
     out = _run([_len_reward, _format_reward, _async_reward], kwargs, 2)
     np.testing.assert_allclose(out, [[2.0, 4.0], [1.0, 0.0], [1.0, 1.0]])
 
 
 def test_multitask_none_rewards():
-    kwargs = {"prompts": [[], []], "completions": [[{"content": "a"}], [{"content": "b"}]],
-              "completion_ids": [[1], [2]], "task": ["math", "code"]}
+    kwargs = {
+        "prompts": [[], []],
+        "completions": [[{"content": "a"}], [{"content": "b"}]],
+        "completion_ids": [[1], [2]],
+        "task": ["math", "code"],
+    }
     out = _run([_math_only], kwargs, 2)
     assert out[0, 0] == 1.0 and math.isnan(out[0, 1])
 
@@ -114,12 +136,16 @@ def test_reward_errors_name_function_and_row():
     with pytest.raises(RewardError, match=r"'_raises' raised ValueError: boom \(dataset row 7\)"):
         _run([_raises], kwargs, 1)
     kwargs2 = {"prompts": [[], []], "completions": [[{"content": "a"}]] * 2, "completion_ids": [[1], [2]]}
-    with pytest.raises(RewardError, match=r"'_wrong_length' returned 1 values for dataset row 7; expected a list of 2"):
+    with pytest.raises(
+        RewardError, match=r"'_wrong_length' returned 1 values for dataset row 7; expected a list of 2"
+    ):
         _run([_wrong_length], kwargs2, 2)
 
 
 def test_load_reward_funcs_by_name_path_and_options():
-    funcs = load_reward_funcs(["digits", "tests.test_scoring:_len_reward", {"name": "length", "target_length": 8}])
+    funcs = load_reward_funcs(
+        ["digits", "tests.test_scoring:_len_reward", {"name": "length", "target_length": 8}]
+    )
     assert [f.name for f in funcs] == ["digits", "_len_reward", "length"]
     assert funcs[2].fn(completion_ids=[[1] * 8], completions=[[{"content": ""}]]) == [0.0]
 

@@ -14,8 +14,15 @@ import time
 import numpy as np
 
 
-def synthetic_groups(rng: np.random.Generator, num_groups: int, group_size: int, prompt_len: int,
-                     completion_len: int, vocab: int, num_topk: int):
+def synthetic_groups(
+    rng: np.random.Generator,
+    num_groups: int,
+    group_size: int,
+    prompt_len: int,
+    completion_len: int,
+    vocab: int,
+    num_topk: int,
+):
     from asyncgrpo_cli.rollout.types import TrainingSequence
 
     samples = []
@@ -28,10 +35,24 @@ def synthetic_groups(rng: np.random.Generator, num_groups: int, group_size: int,
             mask[prompt_len:] = True
             lps = np.where(mask, -rng.random(len(ids)) * 3, 0.0).astype(np.float32)
             topk_ids = rng.integers(10, vocab, size=(n, num_topk)).astype(np.int64) if num_topk else None
-            topk_lps = np.sort(-rng.random((n, num_topk)) * 5, axis=1)[:, ::-1].astype(np.float32) if num_topk else None
-            samples.append(TrainingSequence(input_ids=ids, train_mask=mask, sampler_logprobs=lps,
-                                            advantage=float(rng.normal()), topk_ids=topk_ids, topk_logprobs=topk_lps,
-                                            group_id=g, prompt_seq=g, group_num_samples=group_size))
+            topk_lps = (
+                np.sort(-rng.random((n, num_topk)) * 5, axis=1)[:, ::-1].astype(np.float32)
+                if num_topk
+                else None
+            )
+            samples.append(
+                TrainingSequence(
+                    input_ids=ids,
+                    train_mask=mask,
+                    sampler_logprobs=lps,
+                    advantage=float(rng.normal()),
+                    topk_ids=topk_ids,
+                    topk_logprobs=topk_lps,
+                    group_id=g,
+                    prompt_seq=g,
+                    group_num_samples=group_size,
+                )
+            )
     return samples
 
 
@@ -66,8 +87,15 @@ def main(argv: list[str]) -> None:
     groups_per_step = max(1, (budget * cfg.trainer.gradient_accumulation_steps) // per_group + 1)
     overhead, compute = [], []
     for step in range(args.steps + 1):  # step 0 warms up
-        samples = synthetic_groups(rng, groups_per_step, G, args.prompt_len, args.completion_len,
-                                   model.config.vocab_size, cfg.sampling.num_sampler_logprobs)
+        samples = synthetic_groups(
+            rng,
+            groups_per_step,
+            G,
+            args.prompt_len,
+            args.completion_len,
+            model.config.vocab_size,
+            cfg.sampling.num_sampler_logprobs,
+        )
         t0 = time.perf_counter()
         planner = TokenBudgetPlanner(budget, num_ranks=1)
         mbs = [mb for s in samples if (mb := planner.add(s)) is not None]
@@ -88,8 +116,10 @@ def main(argv: list[str]) -> None:
             compute.append(t_compute)
     tokens = sum(len(s) for s in samples)
     med_o, med_c = statistics.median(overhead), statistics.median(compute)
-    print(f"model {cfg.model.name_or_path}, token_budget {budget}, {len(samples)} samples / {tokens} tokens "
-          f"per step, {len(rows)} micro-batch(es), torch threads {torch.get_num_threads()}")
+    print(
+        f"model {cfg.model.name_or_path}, token_budget {budget}, {len(samples)} samples / {tokens} tokens "
+        f"per step, {len(rows)} micro-batch(es), torch threads {torch.get_num_threads()}"
+    )
     print(f"plan+pack+collate per step: {med_o * 1e3:.2f} ms (median of {args.steps})")
     print(f"forward+backward per step:  {med_c * 1e3:.1f} ms")
     print(f"overhead / fwd+bwd = {med_o / med_c:.4f} ({100 * med_o / med_c:.2f}%)")

@@ -36,8 +36,10 @@ def precheck(overrides: list[str]) -> None:
     available = list_recipes()
     for name in recipe_names(overrides):
         if name not in available:
-            raise UserError(f"recipe {name!r} does not exist; available recipes: {', '.join(available)} "
-                            f"(files in recipes/).")
+            raise UserError(
+                f"recipe {name!r} does not exist; available recipes: {', '.join(available)} "
+                f"(files in recipes/)."
+            )
     errors = check_override_keys([o for o in overrides if not o.startswith(_RECIPE_KEYS)])
     if errors:
         raise ConfigError(errors)

@@ -21,8 +21,13 @@ def plan_lines(cfg: RootConfig) -> list[tuple[str, str]]:
     else:
         where = f"{sv.backend} server at {sv.base_url} (must be running; timeout {sv.startup_timeout:g}s)"
         mml = None
-    budget = (str(cfg.packing.token_budget) if cfg.packing.token_budget
-              else (f"{mml} (the server's max_model_len)" if mml else "the server's max_model_len (queried at start)"))
+    budget = (
+        str(cfg.packing.token_budget)
+        if cfg.packing.token_budget
+        else (
+            f"{mml} (the server's max_model_len)" if mml else "the server's max_model_len (queried at start)"
+        )
+    )
     if tr.max_steps > 0:
         length = f"{tr.max_steps} optimizer steps (trainer.max_steps)"
     else:
@@ -31,23 +36,42 @@ def plan_lines(cfg: RootConfig) -> list[tuple[str, str]]:
     eps_high = cfg.loss.epsilon_high if cfg.loss.epsilon_high is not None else cfg.loss.epsilon
     return [
         ("recipe", str(cfg.recipe)),
-        ("model", f"{cfg.model.name_or_path} (dtype {cfg.model.dtype}, gradient checkpointing "
-                  f"{'on' if cfg.model.gradient_checkpointing else 'off'})"),
+        (
+            "model",
+            f"{cfg.model.name_or_path} (dtype {cfg.model.dtype}, gradient checkpointing "
+            f"{'on' if cfg.model.gradient_checkpointing else 'off'})",
+        ),
         ("server", where),
         ("weight sync", f"{sv.weight_sync} every {ro.weight_sync_steps} step(s); one push before generation"),
-        ("world size", f"{world} trainer process(es); {rows} row(s) per optimizer step "
-                       f"({tr.gradient_accumulation_steps} micro-batch(es) x {world} rank(s))"),
+        (
+            "world size",
+            f"{world} trainer process(es); {rows} row(s) per optimizer step "
+            f"({tr.gradient_accumulation_steps} micro-batch(es) x {world} rank(s))",
+        ),
         ("token budget", f"{budget} tokens per row; packing={cfg.packing.kind}"),
-        ("data", f"{cfg.data.source}" + (f" {cfg.data.path}" if cfg.data.path else "")
-                 + f" (prompt column {cfg.data.prompt_column!r})"),
-        ("generation", f"G={s.num_generations} per prompt, up to {s.max_completion_length} tokens, T={s.temperature:g}"
-                       f", top_p={s.top_p:g}, top_k={s.top_k}, min_p={s.min_p:g}"),
+        (
+            "data",
+            f"{cfg.data.source}"
+            + (f" {cfg.data.path}" if cfg.data.path else "")
+            + f" (prompt column {cfg.data.prompt_column!r})",
+        ),
+        (
+            "generation",
+            f"G={s.num_generations} per prompt, up to {s.max_completion_length} tokens, T={s.temperature:g}"
+            f", top_p={s.top_p:g}, top_k={s.top_k}, min_p={s.min_p:g}",
+        ),
         ("rewards", ", ".join(str(f) for f in cfg.rewards.funcs) + " (summed, weight 1)"),
-        ("loss", f"{cfg.loss.name}; IS mask [{cfg.loss.vllm_importance_sampling_clip_min:g}, "
-                 f"{cfg.loss.vllm_importance_sampling_clip_max:g}]; trust region "
-                 f"[{1 - cfg.loss.epsilon:g}, {1 + eps_high:g}]"),
-        ("staleness", f"max_staleness={ro.max_staleness}: generation held to {max(ro.max_staleness, 1)} step(s) "
-                      f"of tokens; staler samples dropped"),
+        (
+            "loss",
+            f"{cfg.loss.name}; IS mask [{cfg.loss.vllm_importance_sampling_clip_min:g}, "
+            f"{cfg.loss.vllm_importance_sampling_clip_max:g}]; trust region "
+            f"[{1 - cfg.loss.epsilon:g}, {1 + eps_high:g}]",
+        ),
+        (
+            "staleness",
+            f"max_staleness={ro.max_staleness}: generation held to {max(ro.max_staleness, 1)} step(s) "
+            f"of tokens; staler samples dropped",
+        ),
         ("concurrency", f"at most {ro.max_concurrent_rollouts} rollouts in flight"),
         ("optimizer", f"AdamW lr={tr.learning_rate:g} ({tr.lr_scheduler_type}), clip {tr.max_grad_norm:g}"),
         ("length", length),
@@ -66,12 +90,20 @@ def explain_group(group: str) -> list[tuple[str, str, str]]:
         raise KeyError(group)
     out = []
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else "")
+        default = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else (f.default_factory() if f.default_factory is not dataclasses.MISSING else "")
+        )
         if dataclasses.is_dataclass(default):
             for sub in dataclasses.fields(default):
-                out.append((f"{group}.{f.name}.{sub.name}", repr(getattr(default, sub.name)),
-                            sub.metadata.get("help", "")))
+                out.append(
+                    (
+                        f"{group}.{f.name}.{sub.name}",
+                        repr(getattr(default, sub.name)),
+                        sub.metadata.get("help", ""),
+                    )
+                )
             continue
         if isinstance(default, float) and math.isinf(default):
             default = "inf"

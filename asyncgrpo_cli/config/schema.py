@@ -46,14 +46,21 @@ class ModelConfig:
 class EmbeddedServerConfig:
     host: str = F("127.0.0.1", "Interface the embedded server binds; loopback by default.")
     port: int = F(0, "Port of the embedded server; 0 picks a free port (safe for multirun sweeps).")
-    max_model_len: int = F(2048, "Longest prompt + completion the embedded server accepts (its max_model_len).")
+    max_model_len: int = F(
+        2048, "Longest prompt + completion the embedded server accepts (its max_model_len)."
+    )
     max_num_seqs: int = F(32, "Most sequences decoded together in one batch.")
     kv_cache_tokens: int = F(
-        65536, "Token capacity the server admits at once; reported as vllm:cache_config_info kv_cache_size_tokens."
+        65536,
+        "Token capacity the server admits at once; reported as vllm:cache_config_info kv_cache_size_tokens.",
     )
     dtype: str = F("float32", "Serving dtype (match model.dtype to keep log-probs comparable).")
-    num_threads: int | None = F(None, "torch threads of the server process; None: half the cores (at least 1).")
-    prefix_cache_size: int = F(64, "Prompts whose KV the server keeps for reuse (0 disables the prefix cache).")
+    num_threads: int | None = F(
+        None, "torch threads of the server process; None: half the cores (at least 1)."
+    )
+    prefix_cache_size: int = F(
+        64, "Prompts whose KV the server keeps for reuse (0 disables the prefix cache)."
+    )
 
 
 @dataclass
@@ -69,7 +76,8 @@ class ServerConfig:
     max_retries: int = F(5, "Retries of a failed generation request (with backoff) before the run stops.")
     weight_sync: str = F("disk", "Weight-sync backend: disk (safetensors + reload_weights).")
     weight_sync_dir: str | None = F(
-        None, "Directory the server can read for disk sync; default RUN_DIR/weights (must be shared with the server)."
+        None,
+        "Directory the server can read for disk sync; default RUN_DIR/weights (must be shared with the server).",
     )
     embedded: EmbeddedServerConfig = F(help="Settings of the embedded server.", factory=EmbeddedServerConfig)
 
@@ -78,15 +86,20 @@ class ServerConfig:
 class SamplingConfig:
     num_generations: int = F(8, "Rollouts sampled per prompt (G).")
     max_completion_length: int = F(2048, "Max generated tokens per request (per turn).")
-    temperature: float = F(1.0, "Sampling temperature; the trainer computes log-probs at the same temperature.")
+    temperature: float = F(
+        1.0, "Sampling temperature; the trainer computes log-probs at the same temperature."
+    )
     top_p: float = F(1.0, "Nucleus threshold in (0, 1]; 1.0 keeps every token.")
     top_k: int = F(0, "Top-k filter; 0 disables.")
     min_p: float = F(0.0, "Min-p filter in [0, 1]; 0 disables.")
     repetition_penalty: float = F(1.0, "Repetition penalty; 1.0 disables.")
     num_sampler_logprobs: int = F(
-        8, "Top log-probs requested per generated token (score centering); capped by the server's --max-logprobs."
+        8,
+        "Top log-probs requested per generated token (score centering); capped by the server's --max-logprobs.",
     )
-    seed_per_request: bool = F(True, "Send a unique sampling seed with every request (data-parallel engines).")
+    seed_per_request: bool = F(
+        True, "Send a unique sampling seed with every request (data-parallel engines)."
+    )
     seed: int = F(0, "Base of the per-request seeds.")
 
 
@@ -111,7 +124,9 @@ class RewardsConfig:
 class LossConfig:
     name: str = F("score_centering", "Loss plugin: score_centering (default) or clipped, or module:object.")
     epsilon: float = F(0.2, "Lower trust-region epsilon (epsilon_low).")
-    epsilon_high: float | None = F(None, "Upper trust-region epsilon; None: same as epsilon (DAPO uses 0.28).")
+    epsilon_high: float | None = F(
+        None, "Upper trust-region epsilon; None: same as epsilon (DAPO uses 0.28)."
+    )
     vllm_importance_sampling_clip_min: float = F(
         0.5, "Tokens whose trainer/sampler ratio is below this are masked out of the loss."
     )
@@ -122,12 +137,16 @@ class LossConfig:
 
 @dataclass
 class RolloutConfig:
-    loop: str = F("default", "Rollout loop class: a registered name or module:Class (subclass of AsyncRolloutLoop).")
-    loop_options: dict[str, Any] = F(help="Extra settings for a custom rollout loop (its hooks read self.options).",
-                                     factory=dict)
+    loop: str = F(
+        "default", "Rollout loop class: a registered name or module:Class (subclass of AsyncRolloutLoop)."
+    )
+    loop_options: dict[str, Any] = F(
+        help="Extra settings for a custom rollout loop (its hooks read self.options).", factory=dict
+    )
     max_concurrent_rollouts: int = F(512, "Hard cap on rollouts in flight.")
     max_staleness: int = F(
-        4, "Max weight updates a sample may lag; generation is also held to max(max_staleness,1) steps of tokens."
+        4,
+        "Max weight updates a sample may lag; generation is also held to max(max_staleness,1) steps of tokens.",
     )
     weight_sync_steps: int = F(1, "Optimizer steps between weight syncs to the server.")
     rollout_worker_timeout: float = F(
@@ -148,12 +167,16 @@ class TrainerConfig:
     adam_epsilon: float = F(1e-8, "AdamW epsilon.")
     max_grad_norm: float = F(1.0, "Gradient clipping norm; 0 disables.")
     gradient_accumulation_steps: int = F(1, "Micro-batches per optimizer step.")
-    num_train_epochs: float = F(1.0, "Passes over the prompts (distinct prompts consumed); used when max_steps <= 0.")
+    num_train_epochs: float = F(
+        1.0, "Passes over the prompts (distinct prompts consumed); used when max_steps <= 0."
+    )
     max_steps: int = F(-1, "Optimizer steps to run; > 0 overrides num_train_epochs.")
     save_steps: int = F(500, "Save a checkpoint every N optimizer steps (0: only at the end).")
     save_total_limit: int | None = F(None, "Keep at most this many checkpoints (oldest deleted).")
     save_final: bool = F(True, "Save a checkpoint when training ends.")
-    resume: str | None = F(None, "Resume from a checkpoint: 'auto' (latest in the run dir) or a checkpoint path.")
+    resume: str | None = F(
+        None, "Resume from a checkpoint: 'auto' (latest in the run dir) or a checkpoint path."
+    )
     seed: int = F(42, "Seed for the trainer (init, data order).")
     device: str = F("auto", "Training device: auto, cpu or cuda.")
     num_threads: int | None = F(None, "torch threads of the trainer on CPU; None: torch's default.")
@@ -161,7 +184,9 @@ class TrainerConfig:
 
 @dataclass
 class DataConfig:
-    source: str = F("arithmetic", "Dataset plugin: arithmetic, tiny, hf (hub id or local files), or module:object.")
+    source: str = F(
+        "arithmetic", "Dataset plugin: arithmetic, tiny, hf (hub id or local files), or module:object."
+    )
     path: str | None = F(None, "Hub dataset id or local file/directory (source=hf).")
     name: str | None = F(None, "Dataset config name (source=hf).")
     split: str = F("train", "Split to train on.")
@@ -175,7 +200,9 @@ class DataConfig:
 @dataclass
 class LoggingConfig:
     logging_steps: int = F(1, "Optimizer steps per logging window.")
-    sinks: list[str] = F(help="Metric sinks: console, jsonl, trackio.", factory=lambda: ["console", "jsonl", "trackio"])
+    sinks: list[str] = F(
+        help="Metric sinks: console, jsonl, trackio.", factory=lambda: ["console", "jsonl", "trackio"]
+    )
     console: str = F("auto", "Console view: live (rich progress), plain (one line per window), auto.")
     project: str = F("asyncgrpo", "trackio project name.")
     run_name: str | None = F(None, "Run name for trackio; default: the run directory name.")

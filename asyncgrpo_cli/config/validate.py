@@ -117,8 +117,11 @@ def _range_errors(cfg: RootConfig) -> list[str]:
             errs.append(msg)
 
     s, lo, ro, tr, pk, sv = cfg.sampling, cfg.loss, cfg.rollout, cfg.trainer, cfg.packing, cfg.server
-    need(s.num_generations >= 2, f"sampling.num_generations ({s.num_generations}) must be >= 2: "
-         "GRPO normalizes rewards within a group.")
+    need(
+        s.num_generations >= 2,
+        f"sampling.num_generations ({s.num_generations}) must be >= 2: "
+        "GRPO normalizes rewards within a group.",
+    )
     need(s.max_completion_length >= 1, "sampling.max_completion_length must be >= 1.")
     need(s.temperature >= 0, f"sampling.temperature ({s.temperature}) must be >= 0.")
     need(0 < s.top_p <= 1, f"sampling.top_p ({s.top_p}) must be in (0, 1].")
@@ -126,9 +129,11 @@ def _range_errors(cfg: RootConfig) -> list[str]:
     need(0 <= s.min_p <= 1, f"sampling.min_p ({s.min_p}) must be in [0, 1].")
     need(s.repetition_penalty > 0, "sampling.repetition_penalty must be > 0 (1.0 disables).")
     need(s.num_sampler_logprobs >= 0, "sampling.num_sampler_logprobs must be >= 0.")
-    need(0 < lo.vllm_importance_sampling_clip_min <= 1 <= lo.vllm_importance_sampling_clip_max,
-         f"loss.vllm_importance_sampling_clip_min/max ({lo.vllm_importance_sampling_clip_min}, "
-         f"{lo.vllm_importance_sampling_clip_max}) must satisfy 0 < min <= 1 <= max.")
+    need(
+        0 < lo.vllm_importance_sampling_clip_min <= 1 <= lo.vllm_importance_sampling_clip_max,
+        f"loss.vllm_importance_sampling_clip_min/max ({lo.vllm_importance_sampling_clip_min}, "
+        f"{lo.vllm_importance_sampling_clip_max}) must satisfy 0 < min <= 1 <= max.",
+    )
     need(0 <= lo.epsilon < 1, f"loss.epsilon ({lo.epsilon}) must be in [0, 1).")
     need(lo.epsilon_high is None or lo.epsilon_high >= 0, "loss.epsilon_high must be >= 0 or null.")
     need(ro.max_concurrent_rollouts >= 1, "rollout.max_concurrent_rollouts must be >= 1.")
@@ -138,33 +143,48 @@ def _range_errors(cfg: RootConfig) -> list[str]:
     need(ro.score_queue_maxsize >= 1, "rollout.score_queue_maxsize must be >= 1.")
     need(tr.gradient_accumulation_steps >= 1, "trainer.gradient_accumulation_steps must be >= 1.")
     need(tr.learning_rate >= 0, "trainer.learning_rate must be >= 0.")
-    need(tr.max_steps > 0 or tr.num_train_epochs > 0,
-         "set trainer.max_steps > 0 or trainer.num_train_epochs > 0: otherwise training never starts.")
+    need(
+        tr.max_steps > 0 or tr.num_train_epochs > 0,
+        "set trainer.max_steps > 0 or trainer.num_train_epochs > 0: otherwise training never starts.",
+    )
     need(tr.save_steps >= 0, "trainer.save_steps must be >= 0 (0: save only at the end).")
-    need(tr.lr_scheduler_type in ("constant", "constant_with_warmup", "linear", "cosine"),
-         f"trainer.lr_scheduler_type ({tr.lr_scheduler_type!r}) must be one of constant, "
-         "constant_with_warmup, linear, cosine.")
-    need(tr.lr_scheduler_type in ("constant", "constant_with_warmup") or tr.max_steps > 0,
-         f"trainer.lr_scheduler_type={tr.lr_scheduler_type} decays over trainer.max_steps: set trainer.max_steps "
-         "(the step count of an epoch-based run is unknown in advance).")
+    need(
+        tr.lr_scheduler_type in ("constant", "constant_with_warmup", "linear", "cosine"),
+        f"trainer.lr_scheduler_type ({tr.lr_scheduler_type!r}) must be one of constant, "
+        "constant_with_warmup, linear, cosine.",
+    )
+    need(
+        tr.lr_scheduler_type in ("constant", "constant_with_warmup") or tr.max_steps > 0,
+        f"trainer.lr_scheduler_type={tr.lr_scheduler_type} decays over trainer.max_steps: set trainer.max_steps "
+        "(the step count of an epoch-based run is unknown in advance).",
+    )
     need(tr.device in ("auto", "cpu", "cuda"), f"trainer.device ({tr.device!r}) must be auto, cpu or cuda.")
-    need(cfg.model.dtype in ("auto", "bfloat16", "float16", "float32"),
-         f"model.dtype ({cfg.model.dtype!r}) must be one of auto, bfloat16, float16, float32.")
+    need(
+        cfg.model.dtype in ("auto", "bfloat16", "float16", "float32"),
+        f"model.dtype ({cfg.model.dtype!r}) must be one of auto, bfloat16, float16, float32.",
+    )
     need(pk.token_budget is None or pk.token_budget > 0, "packing.token_budget must be > 0 or null.")
     need(sv.timeout > 0 and sv.startup_timeout > 0, "server.timeout and server.startup_timeout must be > 0.")
     need(sv.max_retries >= 0, "server.max_retries must be >= 0.")
     emb = sv.embedded
     need(0 <= emb.port < 65536, f"server.embedded.port ({emb.port}) must be in [0, 65535] (0: a free port).")
-    need(emb.max_model_len > 0 and emb.max_num_seqs > 0, "server.embedded.max_model_len/max_num_seqs must be > 0.")
+    need(
+        emb.max_model_len > 0 and emb.max_num_seqs > 0,
+        "server.embedded.max_model_len/max_num_seqs must be > 0.",
+    )
     if sv.backend == "embedded":
-        need(s.max_completion_length < emb.max_model_len,
-             f"sampling.max_completion_length ({s.max_completion_length}) must be below "
-             f"server.embedded.max_model_len ({emb.max_model_len}) to leave room for the prompt.")
+        need(
+            s.max_completion_length < emb.max_model_len,
+            f"sampling.max_completion_length ({s.max_completion_length}) must be below "
+            f"server.embedded.max_model_len ({emb.max_model_len}) to leave room for the prompt.",
+        )
     if pk.token_budget is not None:
-        need(pk.token_budget > s.max_completion_length,
-             f"packing.token_budget ({pk.token_budget}) must exceed sampling.max_completion_length "
-             f"({s.max_completion_length}) plus the prompt: raise packing.token_budget or lower "
-             "sampling.max_completion_length.")
+        need(
+            pk.token_budget > s.max_completion_length,
+            f"packing.token_budget ({pk.token_budget}) must exceed sampling.max_completion_length "
+            f"({s.max_completion_length}) plus the prompt: raise packing.token_budget or lower "
+            "sampling.max_completion_length.",
+        )
     need(cfg.logging.logging_steps >= 1, "logging.logging_steps must be >= 1.")
     need(cfg.data.num_examples is None or cfg.data.num_examples > 0, "data.num_examples must be > 0 or null.")
     need(len(cfg.rewards.funcs) > 0, "rewards.funcs is empty: give at least one reward function.")
@@ -182,14 +202,19 @@ def _reward_name(entry: Any) -> str | None:
 def _plugin_errors(cfg: RootConfig) -> list[str]:
     errs: list[str] = []
     checks = [
-        ("loss", cfg.loss.name), ("packer", cfg.packing.kind), ("server", cfg.server.backend),
-        ("weight_sync", cfg.server.weight_sync), ("rollout_loop", cfg.rollout.loop),
+        ("loss", cfg.loss.name),
+        ("packer", cfg.packing.kind),
+        ("server", cfg.server.backend),
+        ("weight_sync", cfg.server.weight_sync),
+        ("rollout_loop", cfg.rollout.loop),
         ("dataset", cfg.data.source),
     ]
     for i, entry in enumerate(cfg.rewards.funcs):
         name = _reward_name(entry)
         if name is None:
-            errs.append(f"rewards.funcs[{i}] ({entry!r}) must be a name, 'module:object', or {{name: ..., options}}.")
+            errs.append(
+                f"rewards.funcs[{i}] ({entry!r}) must be a name, 'module:object', or {{name: ..., options}}."
+            )
         else:
             checks.append(("reward", name))
     from asyncgrpo_cli.model.resolve import builtin_name, is_builtin
@@ -242,7 +267,9 @@ def check_override_keys(overrides: list[str]) -> list[str]:
             if part not in hints:
                 prefix = ".".join(parts[:i])
                 close = difflib.get_close_matches(part, list(hints), n=1, cutoff=0.6)
-                hint = f"; did you mean '{prefix}.{close[0]}'?" if close else f"; valid keys: {', '.join(hints)}"
+                hint = (
+                    f"; did you mean '{prefix}.{close[0]}'?" if close else f"; valid keys: {', '.join(hints)}"
+                )
                 errors.append(f"{key} is not a field of {cls.__name__}{hint}")
                 break
             _, cls = _is_optional(hints[part])

@@ -23,8 +23,10 @@ def load_hf(cfg: DataConfig):
     import datasets
 
     if not cfg.path:
-        raise UserError("data.path is required with data.source=hf: give a hub id (e.g. trl-lib/DeepMath-103K) "
-                        "or a local .jsonl/.json/.parquet/.csv file or directory.")
+        raise UserError(
+            "data.path is required with data.source=hf: give a hub id (e.g. trl-lib/DeepMath-103K) "
+            "or a local .jsonl/.json/.parquet/.csv file or directory."
+        )
     path = Path(cfg.path).expanduser()
     try:
         if path.is_dir() and (path / "dataset_info.json").is_file():
@@ -34,16 +36,19 @@ def load_hf(cfg: DataConfig):
         elif path.is_file():
             fmt = _LOCAL_FORMATS.get(path.suffix)
             if fmt is None:
-                raise UserError(f"data.path {cfg.path!r}: unsupported file type {path.suffix!r}; "
-                                f"use one of {', '.join(_LOCAL_FORMATS)}.")
+                raise UserError(
+                    f"data.path {cfg.path!r}: unsupported file type {path.suffix!r}; "
+                    f"use one of {', '.join(_LOCAL_FORMATS)}."
+                )
             ds = datasets.load_dataset(fmt, data_files=str(path), split="train")
         else:
             ds = datasets.load_dataset(cfg.path, cfg.name, split=cfg.split)
     except UserError:
         raise
     except Exception as e:  # the datasets library raises many types; the user needs the key and the cause
-        raise UserError(f"data.path {cfg.path!r} (split {cfg.split!r}) could not be loaded: "
-                        f"{type(e).__name__}: {e}") from e
+        raise UserError(
+            f"data.path {cfg.path!r} (split {cfg.split!r}) could not be loaded: {type(e).__name__}: {e}"
+        ) from e
     if cfg.num_examples is not None:
         ds = ds.select(range(min(cfg.num_examples, len(ds))))
     return ds
@@ -61,7 +66,9 @@ def load_tiny_task(cfg: DataConfig):
     rows = []
     for i in range(n):
         words = " ".join(rng.choice(_TINY_WORDS) for _ in range(rng.randint(2, 6)))
-        rows.append({"prompt": [{"role": "user", "content": f"write numbers about {words} {i}"}], "task_id": i})
+        rows.append(
+            {"prompt": [{"role": "user", "content": f"write numbers about {words} {i}"}], "task_id": i}
+        )
     return datasets.Dataset.from_list(rows)
 
 
@@ -73,11 +80,15 @@ def load_dataset_for(cfg: DataConfig):
 def _normalize_prompt(prompt: Any, system_prompt: str | None, row: int, column: str) -> list[dict[str, str]]:
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
-    elif isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+    elif isinstance(prompt, list) and all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in prompt
+    ):
         messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
     else:
-        raise UserError(f"data.prompt_column {column!r}: row {row} holds {type(prompt).__name__} "
-                        f"{str(prompt)[:80]!r}; expected a string or a list of {{role, content}} messages.")
+        raise UserError(
+            f"data.prompt_column {column!r}: row {row} holds {type(prompt).__name__} "
+            f"{str(prompt)[:80]!r}; expected a string or a list of {{role, content}} messages."
+        )
     if system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
     return messages
@@ -91,10 +102,14 @@ def prepare_dataset(ds, cfg: DataConfig):
     """
     column = cfg.prompt_column
     if column not in ds.column_names:
-        raise UserError(f"data.prompt_column {column!r} is not a column of the dataset (columns: "
-                        f"{', '.join(ds.column_names)}); set data.prompt_column to the column holding the prompts.")
+        raise UserError(
+            f"data.prompt_column {column!r} is not a column of the dataset (columns: "
+            f"{', '.join(ds.column_names)}); set data.prompt_column to the column holding the prompts."
+        )
     if len(ds) == 0:
-        raise UserError(f"the dataset from data.source={cfg.source} (path {cfg.path!r}, split {cfg.split!r}) is empty.")
+        raise UserError(
+            f"the dataset from data.source={cfg.source} (path {cfg.path!r}, split {cfg.split!r}) is empty."
+        )
     if column != "prompt":
         if "prompt" in ds.column_names:
             ds = ds.remove_columns("prompt")

@@ -36,15 +36,19 @@ def load_tokenizer(path: str, cfg: ModelConfig) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(
+            path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+        )
     except OSError as e:
         raise UserError(f"model.name_or_path {path!r}: cannot load the tokenizer ({e}).") from e
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     if not getattr(tok, "chat_template", None):
-        raise UserError(f"model.name_or_path {path!r}: the tokenizer has no chat template; prompts are "
-                        "conversational, so use an instruct/chat model (or one whose tokenizer sets chat_template).")
+        raise UserError(
+            f"model.name_or_path {path!r}: the tokenizer has no chat template; prompts are "
+            "conversational, so use an instruct/chat model (or one whose tokenizer sets chat_template)."
+        )
     return tok
 
 
@@ -53,10 +57,14 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        config = AutoConfig.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+        config = AutoConfig.from_pretrained(
+            path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+        )
     except OSError as e:
-        raise UserError(f"model.name_or_path {path!r} cannot be loaded ({e}); give a hub id, a local directory "
-                        "saved with save_pretrained, or builtin:tiny-qwen3 / builtin:smollm2-135m-instruct.") from e
+        raise UserError(
+            f"model.name_or_path {path!r} cannot be loaded ({e}); give a hub id, a local directory "
+            "saved with save_pretrained, or builtin:tiny-qwen3 / builtin:smollm2-135m-instruct."
+        ) from e
     if is_hybrid_linear_attention(config):
         raise UserError(
             f"model.name_or_path {path!r} is a hybrid model with gated-DeltaNet (linear attention) layers; packed "
@@ -64,7 +72,10 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
             "available yet. Use a full-attention model (e.g. Qwen/Qwen3-1.7B)."
         )
     model = AutoModelForCausalLM.from_pretrained(
-        path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, dtype=torch_dtype(cfg.dtype),
+        path,
+        revision=cfg.revision,
+        trust_remote_code=cfg.trust_remote_code,
+        dtype=torch_dtype(cfg.dtype),
         attn_implementation=cfg.attn_implementation,
     )
     model.config.use_cache = False

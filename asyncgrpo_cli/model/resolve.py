@@ -21,7 +21,7 @@ def is_builtin(name_or_path: str) -> bool:
 
 
 def builtin_name(name_or_path: str) -> str:
-    return name_or_path[len(BUILTIN_PREFIX):]
+    return name_or_path[len(BUILTIN_PREFIX) :]
 
 
 def builtin_dir(name: str) -> Path:

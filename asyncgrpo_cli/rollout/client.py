@@ -68,18 +68,23 @@ def parse_choice(prompt_ids: list[int], choice: dict[str, Any], want_topk: bool)
     """Turn one ``choices[i]`` of a completions response into a ``TurnRecord``."""
     output_ids = choice.get("token_ids")
     if output_ids is None:
-        raise ServerRequestError("the server's completion has no 'token_ids': it must support return_token_ids "
-                                 "(vLLM >= 0.10)")
+        raise ServerRequestError(
+            "the server's completion has no 'token_ids': it must support return_token_ids (vLLM >= 0.10)"
+        )
     logprobs = choice.get("logprobs") or {}
     token_lps = logprobs.get("token_logprobs") or []
     if len(token_lps) != len(output_ids):
-        raise ServerRequestError(f"the server returned {len(token_lps)} log-probs for {len(output_ids)} tokens")
+        raise ServerRequestError(
+            f"the server returned {len(token_lps)} log-probs for {len(output_ids)} tokens"
+        )
     top: list[dict[int, float]] | None = None
     if want_topk:
         raw = logprobs.get("top_logprobs") or []
         top = [{parse_token_key(k): float(v) for k, v in (entry or {}).items()} for entry in raw]
         if len(top) != len(output_ids):
-            raise ServerRequestError(f"the server returned {len(top)} top-logprob entries for {len(output_ids)} tokens")
+            raise ServerRequestError(
+                f"the server returned {len(top)} top-logprob entries for {len(output_ids)} tokens"
+            )
     return TurnRecord(
         prompt_ids=list(prompt_ids),
         output_ids=[int(t) for t in output_ids],

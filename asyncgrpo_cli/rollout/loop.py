@@ -68,8 +68,14 @@ class RolloutSettings:
 
 
 class AsyncRolloutLoop:
-    def __init__(self, settings: RolloutSettings, dataset: Any, reward_funcs: list[RewardFunction],
-                 tokenizer: Any, shared: Any):
+    def __init__(
+        self,
+        settings: RolloutSettings,
+        dataset: Any,
+        reward_funcs: list[RewardFunction],
+        tokenizer: Any,
+        shared: Any,
+    ):
         self.settings = settings
         self.config = settings
         self.options: dict[str, Any] = dict(settings.rollout.loop_options)
@@ -82,8 +88,9 @@ class AsyncRolloutLoop:
         self.allowance = AllowanceTracker()
         self.order = PromptOrder(len(dataset), settings.data_seed, settings.shuffle)
         self._rng = random.Random((settings.sampling.seed + 1) * 7919 + settings.seed_offset)
-        self._executor = ThreadPoolExecutor(max_workers=max(4, settings.rollout.max_concurrent_rollouts // 4),
-                                            thread_name_prefix="rollout")
+        self._executor = ThreadPoolExecutor(
+            max_workers=max(4, settings.rollout.max_concurrent_rollouts // 4), thread_name_prefix="rollout"
+        )
         self._in_flight = 0
         self._next_group_id = 0
         self._generated_tokens = 0
@@ -102,20 +109,30 @@ class AsyncRolloutLoop:
         """Return False to skip the prompt for this epoch (it still counts as consumed)."""
         return True
 
-    async def generate_one(self, prompt: list[dict[str, str]], tools: list[Any], group_id: int = 0) -> Rollout:
+    async def generate_one(
+        self, prompt: list[dict[str, str]], tools: list[Any], group_id: int = 0
+    ) -> Rollout:
         """One complete rollout. Overrides must record every sampling request in ``Rollout.turns``."""
         prompt_ids = self.render(prompt)
         turn = await self.generate_one_turn(prompt_ids)
         text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
-        return Rollout(completion=[{"role": "assistant", "content": text}], completion_ids=list(turn.output_ids),
-                       turns=[turn])
+        return Rollout(
+            completion=[{"role": "assistant", "content": text}],
+            completion_ids=list(turn.output_ids),
+            turns=[turn],
+        )
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """One sampling request with the configured sampling settings."""
         s = self.settings.sampling
         params = SamplingParams(
-            max_tokens=s.max_completion_length, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-            min_p=s.min_p, repetition_penalty=s.repetition_penalty, num_logprobs=self.settings.num_topk,
+            max_tokens=s.max_completion_length,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty,
+            num_logprobs=self.settings.num_topk,
         )
         seed = self._rng.getrandbits(62) if s.seed_per_request else None
         assert self.client is not None, "generate_one_turn called before the loop started"
@@ -140,8 +157,11 @@ class AsyncRolloutLoop:
         hb = asyncio.create_task(self._heartbeat())
         self.score_queue = asyncio.Queue(maxsize=self.settings.rollout.score_queue_maxsize)
         self.client = CompletionClient(
-            self.settings.base_url, self.settings.served_model, self.settings.server_timeout,
-            self.settings.max_retries, max_connections=self.settings.rollout.max_concurrent_rollouts,
+            self.settings.base_url,
+            self.settings.served_model,
+            self.settings.server_timeout,
+            self.settings.max_retries,
+            max_connections=self.settings.rollout.max_concurrent_rollouts,
         )
         scorer: asyncio.Task | None = None
         try:
@@ -209,7 +229,9 @@ class AsyncRolloutLoop:
                     continue
                 accepted_in_epoch[epoch] = accepted_in_epoch.get(epoch, 0) + 1
             slots_ok = self._in_flight == 0 or self._in_flight + G <= cap
-            allowed = self.allowance.can_start(self.shared.token_allowance.value, self.shared.consumed_tokens.value)
+            allowed = self.allowance.can_start(
+                self.shared.token_allowance.value, self.shared.consumed_tokens.value
+            )
             if slots_ok and allowed:
                 if held_since is not None:
                     self.metrics.add("rollout/backpressure_s", time.monotonic() - held_since)
@@ -240,11 +262,14 @@ class AsyncRolloutLoop:
     def _check_epoch_rejections(self, accepted: dict[int, int], epoch: int) -> None:
         prev = epoch - 1
         if prev >= 0 and prev in accepted and accepted[prev] == 0:
-            raise RuntimeError(f"filter_prompt rejected every prompt of epoch {prev}: no batch could ever reach "
-                               "the trainer")
+            raise RuntimeError(
+                f"filter_prompt rejected every prompt of epoch {prev}: no batch could ever reach the trainer"
+            )
         accepted.setdefault(epoch, 0)
 
-    async def _run_group(self, group_id: int, seq: int, epoch: int, row_index: int, row: dict[str, Any]) -> None:
+    async def _run_group(
+        self, group_id: int, seq: int, epoch: int, row_index: int, row: dict[str, Any]
+    ) -> None:
         G = self.settings.sampling.num_generations
         version = int(self.shared.model_version.value)
         prompt = row["prompt"]
@@ -265,12 +290,21 @@ class AsyncRolloutLoop:
                 self.metrics.add("rollout/drift_tokens_max", d)
         extra = {k: [v] * G for k, v in row.items() if k != "prompt"}
         group = RolloutGroup(
-            prompts=[prompt] * G, reward_kwargs=extra, completions=[r.completion for r in rollouts],
-            completions_ids=[r.completion_ids for r in rollouts], completions_sequences=seqs,
+            prompts=[prompt] * G,
+            reward_kwargs=extra,
+            completions=[r.completion for r in rollouts],
+            completions_ids=[r.completion_ids for r in rollouts],
+            completions_sequences=seqs,
             tool_call_counts=[r.tool_call_count for r in rollouts],
-            tool_failure_counts=[r.tool_failure_count for r in rollouts], model_version=version,
-            group_id=group_id, row_index=row_index, env_rewards=[None] * G,
-            rollout_rewards=[r.reward for r in rollouts], prompt_seq=seq, epoch=epoch, rollouts=list(rollouts),
+            tool_failure_counts=[r.tool_failure_count for r in rollouts],
+            model_version=version,
+            group_id=group_id,
+            row_index=row_index,
+            env_rewards=[None] * G,
+            rollout_rewards=[r.reward for r in rollouts],
+            prompt_seq=seq,
+            epoch=epoch,
+            rollouts=list(rollouts),
         )
         t0 = time.monotonic()
         group.queued_at = t0
@@ -304,8 +338,12 @@ class AsyncRolloutLoop:
         self.metrics.add("rollout/score_wait_s", time.monotonic() - group.queued_at)
         t0 = time.monotonic()
         G = len(group.completions)
-        kwargs = {"prompts": group.prompts, "completions": group.completions,
-                  "completion_ids": group.completions_ids, **group.reward_kwargs}
+        kwargs = {
+            "prompts": group.prompts,
+            "completions": group.completions,
+            "completion_ids": group.completions_ids,
+            **group.reward_kwargs,
+        }
         per_func = await call_reward_funcs(self.reward_funcs, kwargs, G, group.row_index, self._executor)
         rollout_src = np.array([np.nan if r is None else float(r) for r in group.rollout_rewards])[None, :]
         group.rewards = sum_sources(np.concatenate([per_func, rollout_src], axis=0))
@@ -319,7 +357,9 @@ class AsyncRolloutLoop:
         if not dropped:
             tokens = self._enqueue_samples(group, advantages, per_func)
         if tokens == 0:
-            self.shared.rollout_buffer.put(PromptResolved(group.prompt_seq, "zero_std" if dropped else "no_samples"))
+            self.shared.rollout_buffer.put(
+                PromptResolved(group.prompt_seq, "zero_std" if dropped else "no_samples")
+            )
         rollout_tokens = [sum(len(s) for s in seqs) for seqs in group.completions_sequences]
         self.allowance.finish(group.group_id, rollout_tokens, tokens)
 

@@ -21,8 +21,19 @@ from typing import Any
 from asyncgrpo_cli.errors import RolloutWorkerError, UserError
 
 # Environment variables that must not leak into the rollout process (it has no GPU and is not a torch rank).
-_STRIP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-              "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
+_STRIP_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+)
 QUEUE_POLL_S = 1.0
 
 
@@ -86,7 +97,9 @@ def _child_main(spec: RolloutSpec, shared: SharedState) -> None:
     except BaseException as e:  # report everything, including KeyboardInterrupt, then re-raise
         info = (type(e).__name__, str(e), traceback.format_exc())
         try:
-            shared.exception_queue.put_nowait(info)  # info before the event: a reader seeing the event sees it
+            shared.exception_queue.put_nowait(
+                info
+            )  # info before the event: a reader seeing the event sees it
         except Exception:
             pass
         shared.failed_event.set()
@@ -160,8 +173,9 @@ class RolloutProcess:
                 "functools.partial or callable instances, not lambdas or closures."
             ) from e
         with _child_environment():
-            self.process = self.ctx.Process(target=_child_main, args=(self.spec, self.shared), daemon=True,
-                                            name="asyncgrpo-rollout")
+            self.process = self.ctx.Process(
+                target=_child_main, args=(self.spec, self.shared), daemon=True, name="asyncgrpo-rollout"
+            )
             self.process.start()
         deadline = time.monotonic() + self.start_timeout
         while not self.shared.ready_event.wait(0.2):
@@ -223,10 +237,13 @@ class RolloutProcess:
                 name, msg, tb = self.shared.exception_queue.get(timeout=5)
             except queue.Empty:
                 name, msg, tb = "Unknown", "no details", ""
-            raise RolloutWorkerError(f"the rollout process failed: {name}: {msg}\n--- rollout process traceback ---\n"
-                                     f"{tb}")
+            raise RolloutWorkerError(
+                f"the rollout process failed: {name}: {msg}\n--- rollout process traceback ---\n{tb}"
+            )
         if self.process is not None and not self.process.is_alive():
-            raise RolloutWorkerError(f"the rollout process exited unexpectedly (exit code {self.process.exitcode})")
+            raise RolloutWorkerError(
+                f"the rollout process exited unexpectedly (exit code {self.process.exitcode})"
+            )
 
     def stop(self) -> None:
         """Stop the process (idempotent): stop event, then terminate, then kill; by PID, with timeouts."""

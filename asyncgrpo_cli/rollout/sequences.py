@@ -103,7 +103,7 @@ def rollout_to_sequences(rollout: Rollout, num_topk: int) -> tuple[list[Training
             kept = builder.ids
             prompt = list(turn.prompt_ids)
             if len(prompt) >= len(kept) and common_prefix_len(kept, prompt) == len(kept):
-                builder.add_context(prompt[len(kept):])
+                builder.add_context(prompt[len(kept) :])
                 stats.drift_tokens.append(0)
             else:
                 stats.forks += 1

@@ -54,8 +54,11 @@ class EmbeddedBackend(ServerBackend):
 
         self.cfg = cfg
         self.process = EmbeddedServerProcess(
-            model_path, cfg.embedded, served_model_name=served_model_name,
-            log_path=Path(run_dir) / "embedded_server.log", startup_timeout=cfg.startup_timeout,
+            model_path,
+            cfg.embedded,
+            served_model_name=served_model_name,
+            log_path=Path(run_dir) / "embedded_server.log",
+            startup_timeout=cfg.startup_timeout,
         )
 
     def start(self) -> ServerInfo:

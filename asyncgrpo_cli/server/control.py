@@ -27,8 +27,9 @@ class ServerControl:
     def __init__(self, base_url: str, timeout: float, control_timeout: float = 300.0):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        self._client = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(min(timeout, control_timeout),
-                                                                                   connect=10.0))
+        self._client = httpx.Client(
+            base_url=self.base_url, timeout=httpx.Timeout(min(timeout, control_timeout), connect=10.0)
+        )
 
     def close(self) -> None:
         self._client.close()
@@ -59,8 +60,10 @@ class ServerControl:
         try:
             first = data["data"][0]
         except (KeyError, IndexError, TypeError):
-            raise UserError(f"{self.base_url}/v1/models answered {str(data)[:200]!r}, which is not an OpenAI-style "
-                            "model list: is server.base_url a vLLM server?") from None
+            raise UserError(
+                f"{self.base_url}/v1/models answered {str(data)[:200]!r}, which is not an OpenAI-style "
+                "model list: is server.base_url a vLLM server?"
+            ) from None
         mml = first.get("max_model_len")
         return ServerInfo(model_id=str(first["id"]), max_model_len=int(mml) if mml is not None else None)
 
@@ -72,8 +75,12 @@ class ServerControl:
         self._json("POST", "/resume")
 
     def collective_rpc(self, method: str, kwargs: dict[str, Any] | None = None) -> Any:
-        return self._json("POST", "/collective_rpc", json={"method": method, "args": [], "kwargs": kwargs or {},
-                                                          "timeout": self.timeout}, timeout=self.timeout)
+        return self._json(
+            "POST",
+            "/collective_rpc",
+            json={"method": method, "args": [], "kwargs": kwargs or {}, "timeout": self.timeout},
+            timeout=self.timeout,
+        )
 
     def reset_prefix_cache(self) -> None:
         self._json("POST", "/reset_prefix_cache")
@@ -82,20 +89,29 @@ class ServerControl:
         self._json("POST", "/update_weight_version", json={"new_version": version}, allow_404=True)
 
     # -- internals -----------------------------------------------------------------------------------------
-    def _json(self, method: str, path: str, *, allow_404: bool = False, timeout: float | None = None,
-              **kwargs: Any) -> Any:
+    def _json(
+        self, method: str, path: str, *, allow_404: bool = False, timeout: float | None = None, **kwargs: Any
+    ) -> Any:
         try:
             resp = self._client.request(method, path, timeout=timeout or httpx.USE_CLIENT_DEFAULT, **kwargs)
         except httpx.HTTPError as e:
             raise ServerControlError(f"{method} {self.base_url}{path} failed: {type(e).__name__}: {e}") from e
         if resp.status_code == 404 and allow_404:
             return None
-        if resp.status_code == 404 and path in ("/pause", "/resume", "/collective_rpc", "/reset_prefix_cache"):
-            raise UserError(f"{self.base_url}{path} does not exist: start vLLM with VLLM_SERVER_DEV_MODE=1 (the "
-                            "weight-update routes are development routes).")
+        if resp.status_code == 404 and path in (
+            "/pause",
+            "/resume",
+            "/collective_rpc",
+            "/reset_prefix_cache",
+        ):
+            raise UserError(
+                f"{self.base_url}{path} does not exist: start vLLM with VLLM_SERVER_DEV_MODE=1 (the "
+                "weight-update routes are development routes)."
+            )
         if resp.status_code != 200:
-            raise ServerControlError(f"{method} {self.base_url}{path} answered HTTP {resp.status_code}: "
-                                     f"{resp.text[:500]}")
+            raise ServerControlError(
+                f"{method} {self.base_url}{path} answered HTTP {resp.status_code}: {resp.text[:500]}"
+            )
         if not resp.content:
             return None
         try:

@@ -79,4 +79,8 @@ class DiskWeightSync:
                 shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:
-        pass
+        """Remove the serving copies: checkpoints, not this directory, are what a run keeps."""
+        for version in self.directory.glob("v*"):
+            shutil.rmtree(version, ignore_errors=True)
+        for tmp in self.directory.glob(".v*.tmp"):
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -32,8 +32,16 @@ class StepBatch:
 
 
 class StepCollector:
-    def __init__(self, rollout: Any, planner: TokenBudgetPlanner, tracker: PromptTracker, max_staleness: int,
-                 grad_accum: int, metrics: MetricWindow, should_stop: Any = None):
+    def __init__(
+        self,
+        rollout: Any,
+        planner: TokenBudgetPlanner,
+        tracker: PromptTracker,
+        max_staleness: int,
+        grad_accum: int,
+        metrics: MetricWindow,
+        should_stop: Any = None,
+    ):
         self.rollout = rollout
         self.planner = planner
         self.tracker = tracker
@@ -71,8 +79,13 @@ class StepCollector:
                 self._handle(item, model_version)
         if not step.microbatches:
             return None
-        step.samples = [s for mb in step.microbatches for r, row in enumerate(mb.rows)
-                        if r not in mb.filler_ranks for s in row]
+        step.samples = [
+            s
+            for mb in step.microbatches
+            for r, row in enumerate(mb.rows)
+            if r not in mb.filler_ranks
+            for s in row
+        ]
         return step
 
     def _handle(self, item: Any, model_version: int) -> None:

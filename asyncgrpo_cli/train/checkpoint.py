@@ -40,14 +40,24 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)
-             and (p / "trainer_state.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX):]))
+    found = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(STEP_PREFIX) and (p / "trainer_state.json").is_file()
+    ]
+    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
 
 
-def save_checkpoint(run_dir: Path, model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, state: TrainerState, rollout_state: dict[str, Any],
-                    save_total_limit: int | None) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    model: Any,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    state: TrainerState,
+    rollout_state: dict[str, Any],
+    save_total_limit: int | None,
+) -> Path:
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{STEP_PREFIX}{state.step:06d}"
@@ -60,8 +70,9 @@ def save_checkpoint(run_dir: Path, model: Any, tokenizer: Any, optimizer: torch.
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(_rng_state(), tmp / "rng.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(state.to_dict(), indent=2))
-    (tmp / "rollout_state.json").write_text(json.dumps({**rollout_state, "model_version": state.model_version},
-                                                       indent=2))
+    (tmp / "rollout_state.json").write_text(
+        json.dumps({**rollout_state, "model_version": state.model_version}, indent=2)
+    )
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
@@ -83,8 +94,10 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path) -> Path | None:
         return path
     if path.is_dir() and list_checkpoints(path):
         return list_checkpoints(path)[-1]
-    raise UserError(f"trainer.resume={resume!r} is neither 'auto' nor a checkpoint directory (one holding "
-                    "trainer_state.json) nor a run directory with checkpoints/.")
+    raise UserError(
+        f"trainer.resume={resume!r} is neither 'auto' nor a checkpoint directory (one holding "
+        "trainer_state.json) nor a run directory with checkpoints/."
+    )
 
 
 @dataclass

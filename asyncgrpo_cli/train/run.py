@@ -29,7 +29,9 @@ def pick_device(name: str) -> Any:
 
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise UserError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto.")
+            raise UserError(
+                "trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto."
+            )
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 
@@ -99,9 +101,16 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
         served = cfg.model.served_model_name or info.model_id
         token_budget = cfg.packing.token_budget or info.max_model_len
         if not token_budget:
-            raise UserError("the server does not report max_model_len in /v1/models: set packing.token_budget.")
-        logger.info("server %s serves %r (max_model_len=%s); token budget %d", server.base_url, served,
-                    info.max_model_len, token_budget)
+            raise UserError(
+                "the server does not report max_model_len in /v1/models: set packing.token_budget."
+            )
+        logger.info(
+            "server %s serves %r (max_model_len=%s); token budget %d",
+            server.base_url,
+            served,
+            info.max_model_len,
+            token_budget,
+        )
 
         device = pick_device(tr.device)
         weights_from = str(resume.path) if resume else model_path
@@ -123,32 +132,60 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
         packer = registry.resolve("packer", cfg.packing.kind)(cfg.packing)
         num_topk = cfg.sampling.num_sampler_logprobs if getattr(loss_fn, "needs_sampler_topk", False) else 0
         settings = RolloutSettings(
-            sampling=cfg.sampling, rollout=cfg.rollout, base_url=server.base_url, served_model=served,
-            max_model_len=info.max_model_len or token_budget, server_timeout=cfg.server.timeout,
-            max_retries=cfg.server.max_retries, num_topk=num_topk, tokenizer_path=model_path,
-            chat_template_kwargs=dict(cfg.model.chat_template_kwargs), total_prompts=total_prompts,
-            dataset_start_index=tracker.low_water, skip_prompt_seqs=sorted(tracker.resolved_above),
-            data_seed=tr.seed, shuffle=cfg.data.shuffle, seed_offset=state.step,
+            sampling=cfg.sampling,
+            rollout=cfg.rollout,
+            base_url=server.base_url,
+            served_model=served,
+            max_model_len=info.max_model_len or token_budget,
+            server_timeout=cfg.server.timeout,
+            max_retries=cfg.server.max_retries,
+            num_topk=num_topk,
+            tokenizer_path=model_path,
+            chat_template_kwargs=dict(cfg.model.chat_template_kwargs),
+            total_prompts=total_prompts,
+            dataset_start_index=tracker.low_water,
+            skip_prompt_seqs=sorted(tracker.resolved_above),
+            data_seed=tr.seed,
+            shuffle=cfg.data.shuffle,
+            seed_offset=state.step,
         )
-        rollout = RolloutProcess(RolloutSpec(cfg.rollout.loop, settings, dataset, list(cfg.rewards.funcs)),
-                                 worker_timeout=cfg.rollout.rollout_worker_timeout,
-                                 start_timeout=cfg.rollout.start_timeout)
+        rollout = RolloutProcess(
+            RolloutSpec(cfg.rollout.loop, settings, dataset, list(cfg.rewards.funcs)),
+            worker_timeout=cfg.rollout.rollout_worker_timeout,
+            start_timeout=cfg.rollout.start_timeout,
+        )
         rollout.set_model_version(state.model_version)
         stack.callback(rollout.stop)
         rollout.start()
 
-        metrics_logger = MetricsLogger(cfg.logging, run_dir, asdict(cfg),
-                                       total_steps=tr.max_steps if tr.max_steps > 0 else None,
-                                       total_prompts=total_prompts)
+        metrics_logger = MetricsLogger(
+            cfg.logging,
+            run_dir,
+            asdict(cfg),
+            total_steps=tr.max_steps if tr.max_steps > 0 else None,
+            total_prompts=total_prompts,
+        )
         stack.callback(metrics_logger.close)
         window = MetricWindow()
         planner = TokenBudgetPlanner(token_budget, num_ranks=1)
-        collector = StepCollector(rollout, planner, tracker, cfg.rollout.max_staleness,
-                                  tr.gradient_accumulation_steps, window)
+        collector = StepCollector(
+            rollout, planner, tracker, cfg.rollout.max_staleness, tr.gradient_accumulation_steps, window
+        )
         parts = TrainParts(
-            model=model, tokenizer=tokenizer, device=device, optimizer=optimizer, scheduler=scheduler,
-            loss_fn=loss_fn, packer=packer, collector=collector, rollout=rollout, weight_sync=weight_sync,
-            metrics_logger=metrics_logger, tracker=tracker, state=state, token_budget=token_budget,
+            model=model,
+            tokenizer=tokenizer,
+            device=device,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            loss_fn=loss_fn,
+            packer=packer,
+            collector=collector,
+            rollout=rollout,
+            weight_sync=weight_sync,
+            metrics_logger=metrics_logger,
+            tracker=tracker,
+            state=state,
+            token_budget=token_budget,
             total_prompts=total_prompts,
         )
         return Trainer(cfg, run_dir, parts, window).train()

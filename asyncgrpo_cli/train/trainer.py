@@ -86,7 +86,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def _train_step(self, step: StepBatch, t_step: float) -> None:
-        p, w = self.p, self.window
+        p = self.p
         num_trained = step.num_trained
         p.model.train()
         raw_parts, loss_total, t_fwd, t_fwdbwd, forwarded, unpacked = [], 0.0, 0.0, 0.0, 0, 0
@@ -116,8 +116,9 @@ class Trainer:
         if p.state.step % self.cfg.rollout.weight_sync_steps == 0:
             self.sync_weights()
         step_s = time.monotonic() - t_step
-        self._record_step(step, raw_parts, loss_total, grad_norm, forwarded, unpacked, t_fwd, t_fwdbwd, t_opt,
-                          step_s)
+        self._record_step(
+            step, raw_parts, loss_total, grad_norm, forwarded, unpacked, t_fwd, t_fwdbwd, t_opt, step_s
+        )
         p.metrics_logger.update_progress(p.state.step, p.tracker.consumed_count)
         self._flush_logs()
 
@@ -153,9 +154,19 @@ class Trainer:
             w.add("batch/row_fill_frac", float(mb.row_fill_frac[r]))
         w.add("batch/row_imbalance", mb.row_imbalance)
 
-    def _record_step(self, step: StepBatch, raw_parts: list[dict], loss_total: float, grad_norm: float,
-                     forwarded: int, unpacked: int, t_fwd: float, t_fwdbwd: float, t_opt: float,
-                     step_s: float) -> None:
+    def _record_step(
+        self,
+        step: StepBatch,
+        raw_parts: list[dict],
+        loss_total: float,
+        grad_norm: float,
+        forwarded: int,
+        unpacked: int,
+        t_fwd: float,
+        t_fwdbwd: float,
+        t_opt: float,
+        step_s: float,
+    ) -> None:
         w, p = self.window, self.p
         trained = step.num_trained
         rates, extremes = metric_records(merge_metric_parts(raw_parts))
@@ -203,9 +214,14 @@ class Trainer:
         for s in step.samples[: self.cfg.logging.num_completions_to_print or len(step.samples)]:
             idx = np.nonzero(s.train_mask)[0]
             first = int(idx[0]) if idx.size else len(s)
-            shown.append({"prompt": tok.decode(s.input_ids[:first].tolist(), skip_special_tokens=True),
-                          "completion": tok.decode(s.input_ids[first:].tolist(), skip_special_tokens=True),
-                          "reward": s.reward, "advantage": s.advantage})
+            shown.append(
+                {
+                    "prompt": tok.decode(s.input_ids[:first].tolist(), skip_special_tokens=True),
+                    "completion": tok.decode(s.input_ids[first:].tolist(), skip_special_tokens=True),
+                    "reward": s.reward,
+                    "advantage": s.advantage,
+                }
+            )
         self.p.metrics_logger.log_completions(shown, step=self.p.state.step)
 
     def _flush_logs(self, force: bool = False) -> None:
@@ -223,8 +239,16 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
         p = self.p
-        path = save_checkpoint(self.run_dir, p.model, p.tokenizer, p.optimizer, p.scheduler, p.state,
-                               p.tracker.state(), self.cfg.trainer.save_total_limit)
+        path = save_checkpoint(
+            self.run_dir,
+            p.model,
+            p.tokenizer,
+            p.optimizer,
+            p.scheduler,
+            p.state,
+            p.tracker.state(),
+            self.cfg.trainer.save_total_limit,
+        )
         self._last_save_step = p.state.step
         logger.info("saved checkpoint %s", path)
         return path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> None:
         _die(str(e))
     except KeyboardInterrupt:
         _die("interrupted", code=130)
+    except Terminated:
+        _die("terminated (SIGTERM); the run's processes were stopped", code=143)
 
 
 def _die(message: str, code: int = 2) -> None:
@@ -80,12 +83,22 @@ def _train(args: list[str]) -> None:
 
     saved = sys.argv
     sys.argv = ["asyncgrpo train", *args]
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)(_train_job)()
     finally:
         sys.argv = saved
+        signal.signal(signal.SIGTERM, previous)
     if _failures:
         _die("\n".join(_failures), code=1)
+
+
+class Terminated(BaseException):
+    """SIGTERM (a scheduler's timeout or preemption): unwind so everything the run started is stopped."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
 
 
 def _quiet_libraries() -> None:

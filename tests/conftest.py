@@ -35,3 +35,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from asyncgrpo_cli.model.resolve import resolve_model_path
 
     return Path(resolve_model_path("builtin:tiny-qwen3"))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for in-process forwards: OpenMP thread teams stall when other processes (a server under
+    test, a rollout process) share a 2-core machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

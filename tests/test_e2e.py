@@ -183,3 +183,46 @@ def test_busy_port_names_the_key(tmp_path):
     assert out.returncode != 0
     assert "server.embedded.port" in out.stderr and str(port) in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_sigterm_stops_every_process_the_run_started(tmp_path):
+    run = tmp_path / "r"
+    args = [sys.executable, "-m", "asyncgrpo_cli", "train", "+recipe=tiny", "logging.console=plain",
+            "trainer.max_steps=10000", "trainer.save_steps=0", "trainer.save_final=false", f"hydra.run.dir={run}"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").is_file() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert (run / "metrics.jsonl").is_file(), "training never logged a step"
+        children = _children(proc.pid)
+        assert len(children) >= 2  # embedded server, rollout process (and the resource tracker)
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-2000:]
+    assert "terminated" in err
+    time.sleep(1)
+    assert [c for c in children if _alive(c)] == []

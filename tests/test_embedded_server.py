@@ -28,12 +28,8 @@ PROMPT = [17, 250, 31, 999, 4, 86, 512, 77]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread for the reference forwards here: OpenMP teams stall on a busy 2-core CI machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread):
+    """Reference forwards on one thread (see the conftest fixture)."""
 
 
 @pytest.fixture(scope="module")

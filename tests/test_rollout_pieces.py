@@ -26,21 +26,19 @@ def test_stale_drop_rule():
 
 def test_one_group_at_a_time_until_first_completes_then_token_paced():
     t = AllowanceTracker()
-    assert t.can_start(allowance=10_000, consumed=0)
+    assert t.can_start(allowance=10_000, consumed=0, num_generations=4)
     t.start(0, num_generations=4)
-    assert not t.can_start(allowance=10_000, consumed=0)  # first group still running
+    assert not t.can_start(allowance=10_000, consumed=0, num_generations=4)  # first group still running
     t.finish(0, rollout_tokens=[100, 100, 100, 100], queued_tokens=400)
     assert t.estimate_group(4) == 400
-    assert t.can_start(allowance=1000, consumed=0)  # 400 outstanding < 1000
+    assert t.can_start(allowance=1000, consumed=0, num_generations=4)  # 400 queued + 400 expected <= 1000
     t.start(1, 4)  # +400 estimated
     assert t.outstanding(consumed=0) == 800
-    assert t.can_start(allowance=1000, consumed=0)
-    t.start(2, 4)
-    assert t.outstanding(consumed=0) == 1200
-    assert not t.can_start(allowance=1000, consumed=0)  # over the allowance: held
-    assert t.can_start(allowance=1000, consumed=400)  # the trainer consumed the first group
-    t.finish(1, [50] * 4, queued_tokens=0)  # dropped group: nothing queued
-    assert t.outstanding(consumed=400) == 400
+    assert not t.can_start(allowance=1000, consumed=0, num_generations=4)  # 800 + 400 > 1000: held
+    assert t.can_start(allowance=1000, consumed=400, num_generations=4)  # the trainer consumed the first group
+    t.finish(1, [50] * 4, queued_tokens=0)  # dropped group: nothing queued, estimate now 300 per group
+    assert t.outstanding(consumed=400) == 0
+    assert t.can_start(allowance=100, consumed=400, num_generations=4)  # nothing outstanding: never stalls
 
 
 def _turn(prompt, out, lps=None, top=None, finish="stop"):

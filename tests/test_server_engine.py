@@ -17,12 +17,8 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: OpenMP thread teams stall when other processes share a 2-core CI machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread):
+    """Reference forwards on one thread (see the conftest fixture)."""
 
 
 @pytest.fixture(scope="module")

@@ -230,7 +230,7 @@ class AsyncRolloutLoop:
                 accepted_in_epoch[epoch] = accepted_in_epoch.get(epoch, 0) + 1
             slots_ok = self._in_flight == 0 or self._in_flight + G <= cap
             allowed = self.allowance.can_start(
-                self.shared.token_allowance.value, self.shared.consumed_tokens.value
+                self.shared.token_allowance.value, self.shared.consumed_tokens.value, G
             )
             if slots_ok and allowed:
                 if held_since is not None:

@@ -109,8 +109,11 @@ def _child_main(spec: RolloutSpec, shared: SharedState) -> None:
 async def _run_until_stopped(loop: Any, shared: SharedState) -> None:
     import asyncio
 
+    parent = os.getppid()
     main = asyncio.create_task(loop.run())
     while not main.done():
+        if os.getppid() != parent:  # the trainer died without stopping us (SIGKILL, OOM): do not linger
+            shared.stop_event.set()
         if shared.stop_event.is_set():
             main.cancel()
             break
@@ -123,7 +126,7 @@ async def _run_until_stopped(loop: Any, shared: SharedState) -> None:
         _abandon_queues(shared)
         return
     # Every prompt was generated: stay alive (and beating) until the trainer has drained the queue and stops us.
-    while not shared.stop_event.is_set():
+    while not shared.stop_event.is_set() and os.getppid() == parent:
         shared.heartbeat.value = time.time()
         await asyncio.sleep(0.2)
     _abandon_queues(shared)

@@ -3,7 +3,8 @@
 Generation is held to ``max(max_staleness, 1)`` optimizer steps of tokens: the trainer publishes
 ``allowance = max(max_staleness, 1) * tokens consumed by the last step`` (before the first step it assumes every
 row is full: ``token_budget * rows per step``), and the rollout process starts a new group only while the tokens
-queued or in flight are under it. Tokens are counted as sample tokens (prompt + completion) on both sides. Until
+queued or in flight, plus the new group's expected tokens, stay within it (a group may always start when nothing
+is outstanding, so a group larger than the allowance cannot stall generation). Tokens are counted as sample tokens (prompt + completion) on both sides. Until
 the first group completes, the expected size of a group is unknown, so groups start one at a time.
 
 Independently, a sample whose policy version lags the trainer's by more than ``max_staleness`` weight updates is
@@ -49,10 +50,12 @@ class AllowanceTracker:
     def outstanding(self, consumed: int) -> int:
         return self.produced - consumed + sum(self.in_flight_groups.values())
 
-    def can_start(self, allowance: int, consumed: int) -> bool:
+    def can_start(self, allowance: int, consumed: int, num_generations: int) -> bool:
+        """Start a group only if its expected tokens still fit the allowance (or nothing is outstanding)."""
         if self.completed_groups == 0:
             return not self.in_flight_groups  # one group at a time until the first completes
-        return self.outstanding(consumed) < allowance
+        outstanding = self.outstanding(consumed)
+        return outstanding <= 0 or outstanding + self.estimate_group(num_generations) <= allowance
 
     def start(self, group_id: int, num_generations: int) -> None:
         self.in_flight_groups[group_id] = self.estimate_group(num_generations)

@@ -21,7 +21,7 @@ verbs:
   check     compose and validate the config, print the plan; starts nothing. `--explain GROUP` documents a group.
   serve     run the embedded generation server on the configured model (vLLM-compatible API subset).
   plugins   list the registered plugins (rewards, losses, packers, servers, weight sync, rollout loops, ...).
-  bench     benchmarks: `asyncgrpo bench trainer-overhead [OVERRIDES]`.
+  bench     benchmarks: `asyncgrpo bench trainer-overhead [OVERRIDES]`, `asyncgrpo bench embedded-server`.
 
 examples:
   asyncgrpo train
@@ -236,7 +236,10 @@ def _plugins(args: list[str]) -> None:
 
 # ---------------------------------------------------------------------------------------------------- bench
 def _bench(args: list[str]) -> None:
-    benches = {"trainer-overhead": "asyncgrpo_cli.bench.trainer_overhead:main"}
+    benches = {
+        "trainer-overhead": "asyncgrpo_cli.bench.trainer_overhead:main",
+        "embedded-server": "asyncgrpo_cli.bench.embedded_server:main",
+    }
     if not args or args[0] not in benches:
         raise UserError(f"asyncgrpo bench NAME [OVERRIDES]; benchmarks: {', '.join(benches)}")
     from asyncgrpo_cli.registry import _import_target

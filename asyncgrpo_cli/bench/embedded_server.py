@@ -1,0 +1,90 @@
+"""``asyncgrpo bench embedded-server``: generated tokens/s of the embedded server's engine against
+``model.generate`` on a batch of the same size, side by side in one process, at several concurrencies.
+
+The model has the shape of the configured one with random weights (no download), or ``--shape smollm2`` for
+SmolLM2-135M's shape. Requests come in GRPO groups of 8 sharing a prompt; EOS is ignored so every request
+produces exactly ``--new`` tokens.
+
+Usage: asyncgrpo bench embedded-server [--shape smollm2|tiny] [--threads 1] [--concurrency 1,8,16,32]
+       [--prompt-len 100] [--new 160] [--num-logprobs 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def _model(shape: str):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    if shape == "smollm2":
+        cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
+                          max_position_embeddings=2048, eos_token_id=2)
+        return LlamaForCausalLM(cfg).eval()
+    cfg = Qwen3Config(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                      eos_token_id=2)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def _engine_tok_s(model, prompts: list[list[int]], new: int, num_logprobs: int) -> float:
+    from asyncgrpo_cli.server.engine import GenerationEngine, GenerationRequest
+    from asyncgrpo_cli.server.sampling import SamplingParams
+
+    max_len = max(len(p) for p in prompts) + new + 1
+    engine = GenerationEngine(model, eos_token_ids=[], max_model_len=max_len, max_num_seqs=len(prompts),
+                              kv_cache_tokens=max_len * len(prompts), seed=0)
+    engine.start()
+    try:
+        t0 = time.perf_counter()
+        handles = [engine.submit(GenerationRequest(prompt_ids=p, max_tokens=new, seed=i, num_logprobs=num_logprobs,
+                                                   params=SamplingParams(temperature=1.0), ignore_eos=True))
+                   for i, p in enumerate(prompts)]
+        for h in handles:
+            if not h.wait(timeout=3600):
+                raise TimeoutError("engine request did not finish within an hour")
+        elapsed = time.perf_counter() - t0
+    finally:
+        engine.shutdown(timeout=30)
+    return sum(len(h.completions[0].token_ids) for h in handles) / elapsed
+
+
+def _generate_tok_s(model, prompts: list[list[int]], new: int) -> float:
+    import torch
+
+    ids = torch.tensor(prompts)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                             max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / (time.perf_counter() - t0)
+
+
+def main(argv: list[str]) -> None:
+    import torch
+
+    parser = argparse.ArgumentParser(prog="asyncgrpo bench embedded-server")
+    parser.add_argument("--shape", choices=["smollm2", "tiny"], default="smollm2")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--concurrency", default="1,8,16,32")
+    parser.add_argument("--prompt-len", type=int, default=100)
+    parser.add_argument("--new", type=int, default=160)
+    parser.add_argument("--num-logprobs", type=int, default=8)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model = _model(args.shape)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    print(f"shape {args.shape}, {args.threads} torch thread(s), prompt {args.prompt_len}, {args.new} new tokens, "
+          f"top-{args.num_logprobs} log-probs, groups of 8 sharing a prompt")
+    print(f"{'concurrency':>11} {'engine tok/s':>13} {'generate tok/s':>15} {'ratio':>6}")
+    for c in (int(x) for x in args.concurrency.split(",")):
+        groups = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range((c + 7) // 8)]
+        prompts = [groups[i // 8] for i in range(c)]
+        eng = _engine_tok_s(model, prompts, args.new, args.num_logprobs)
+        ref = _generate_tok_s(model, prompts, args.new)
+        print(f"{c:>11} {eng:>13.1f} {ref:>15.1f} {eng / ref:>6.2f}", flush=True)

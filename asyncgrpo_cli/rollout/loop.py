@@ -362,6 +362,7 @@ class AsyncRolloutLoop:
             )
         rollout_tokens = [sum(len(s) for s in seqs) for seqs in group.completions_sequences]
         self.allowance.finish(group.group_id, rollout_tokens, tokens)
+        self._report(force=True)  # the group's metrics reach the trainer with (not after) its samples
 
     def _enqueue_samples(self, group: RolloutGroup, advantages: np.ndarray, per_func: np.ndarray) -> int:
         std = group_std(group.rewards)

@@ -128,6 +128,13 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
         stack.callback(weight_sync.close)
         weight_sync.push(model, state.model_version)  # before generation starts
 
+        s = cfg.sampling
+        if s.top_p < 1.0 or s.top_k > 0 or s.min_p > 0:
+            logger.warning(
+                "sampling.top_p/top_k/min_p truncate the sampling distribution, but the trainer normalizes its "
+                "log-probs over the full vocabulary: importance ratios are biased low by the surviving mass "
+                "(no sampling-mask renormalization yet)"
+            )
         loss_fn = registry.resolve("loss", cfg.loss.name)(cfg.loss)
         packer = registry.resolve("packer", cfg.packing.kind)(cfg.packing)
         num_topk = cfg.sampling.num_sampler_logprobs if getattr(loss_fn, "needs_sampler_topk", False) else 0

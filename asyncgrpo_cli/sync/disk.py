@@ -14,47 +14,40 @@ from pathlib import Path
 from typing import Any
 
 from asyncgrpo_cli.server.control import ServerControl
+from asyncgrpo_cli.sync.writer import write_full_state
+from asyncgrpo_cli.train.distributed import DistInfo, barrier
 
 KEEP_VERSIONS = 2
 
 
-def state_dict_for_sync(model: Any) -> dict[str, Any]:
-    """The model's HF-named tensors, contiguous, on CPU, without tied duplicates (safetensors refuses aliases)."""
-    import torch
-
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    out: dict[str, torch.Tensor] = {}
-    seen: dict[int, str] = {}
-    for name, tensor in model.state_dict().items():
-        if tied and name == "lm_head.weight":
-            continue
-        ptr = tensor.data_ptr()
-        if ptr in seen:
-            continue
-        seen[ptr] = name
-        out[name] = tensor.detach().to("cpu").contiguous()
-    return out
-
-
 class DiskWeightSync:
-    def __init__(self, control: ServerControl, directory: Path):
+    """Every rank calls ``push`` (the full tensors are gathered in lockstep); rank 0 writes and drives the server.
+
+    ``control`` is None on the other ranks: they only take part in the gathers.
+    """
+
+    def __init__(self, control: ServerControl | None, directory: Path, info: DistInfo | None = None):
         self.control = control
+        self.info = info or DistInfo()
         self.directory = Path(directory).resolve()
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if self.info.is_main:
+            self.directory.mkdir(parents=True, exist_ok=True)
 
     def push(self, model: Any, version: int) -> dict[str, float]:
-        """Send the model's weights as ``version``; returns the phase timings in seconds."""
-        from safetensors.torch import save_file
-
+        """Send the model's weights as ``version``; returns the phase timings in seconds (rank 0)."""
         t0 = time.monotonic()
         final = self.directory / f"v{version:06d}"
         tmp = self.directory / f".v{version:06d}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file(state_dict_for_sync(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if self.info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        write_full_state(model, self.info, tmp)
+        t_gathered = time.monotonic()
+        barrier(self.info)
+        t_write = time.monotonic()
+        if not self.info.is_main:
+            return {}
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        t_write = time.monotonic()
         self.control.pause(mode="keep")
         t_pause = time.monotonic()
         try:
@@ -68,8 +61,8 @@ class DiskWeightSync:
         return {
             "perf/weight_sync_s": t_done - t0,
             "perf/weight_sync_pause_s": t_pause - t_write,
-            "perf/weight_sync_barrier_s": 0.0,
-            "perf/weight_sync_transfer_s": (t_write - t0) + (t_done - t_pause),
+            "perf/weight_sync_barrier_s": t_write - t_gathered,
+            "perf/weight_sync_transfer_s": (t_gathered - t0) + (t_done - t_pause),
         }
 
     def _cleanup(self, keep: Path) -> None:
@@ -80,6 +73,8 @@ class DiskWeightSync:
 
     def close(self) -> None:
         """Remove the serving copies: checkpoints, not this directory, are what a run keeps."""
+        if not self.info.is_main:
+            return
         for version in self.directory.glob("v*"):
             shutil.rmtree(version, ignore_errors=True)
         for tmp in self.directory.glob(".v*.tmp"):

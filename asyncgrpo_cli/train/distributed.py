@@ -1,0 +1,165 @@
+"""Several trainer ranks (torchrun / accelerate launch): process group, FSDP2, step distribution, reductions.
+
+Rank 0 owns the rollout process and the server connection; it plans each optimizer step and scatters one row
+per rank per micro-batch (``scatter_step``). Every collective is entered by every rank in the same order,
+including ranks whose micro-batch trains no token. With one process everything here is a no-op, so the same
+training loop serves both cases.
+
+The loss scale: FSDP2 averages gradients over ranks, so each rank multiplies its micro-batch loss (already
+divided by the step's global trained-token count) by the world size; the summed gradient is then exactly the
+full-batch token mean.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncgrpo_cli.rollout.types import TrainingSequence
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def env_world() -> DistInfo:
+    """Rank layout from the launcher's environment (torchrun, accelerate launch), before any process group."""
+    return DistInfo(rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)),
+                    local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def init_distributed(device: torch.device, timeout_s: float) -> DistInfo:
+    info = env_world()
+    if not info.enabled:
+        return info
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return info
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def decoder_layers(model: Any) -> list[torch.nn.Module]:
+    """The transformer blocks FSDP2 shards one by one (``model.model.layers`` for Llama/Qwen-style models)."""
+    base = getattr(model, model.base_model_prefix, None) if hasattr(model, "base_model_prefix") else None
+    layers = getattr(base, "layers", None) if base is not None else None
+    if layers is None:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard with FSDP2")
+    return list(layers)
+
+
+def shard_model(model: Any, info: DistInfo, device: torch.device, mixed_precision: str | None,
+                cpu_offload: bool) -> Any:
+    """``fully_shard`` every decoder layer, then the root (embeddings, final norm, head)."""
+    if not info.enabled:
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (info.world_size,))
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if mixed_precision:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, mixed_precision),
+                                                   reduce_dtype=torch.float32)
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+@dataclass
+class RankStep:
+    """One rank's share of an optimizer step: its row (samples) for each micro-batch."""
+
+    done: bool
+    rows: list[list[TrainingSequence]] = field(default_factory=list)
+    num_trained: int = 0
+    """Trained tokens of the whole step across all ranks (the loss normalizer)."""
+
+
+def scatter_step(per_rank: list[RankStep] | None, info: DistInfo) -> RankStep:
+    """Rank 0 gives each rank its ``RankStep``; the others receive theirs."""
+    if not info.enabled:
+        assert per_rank is not None
+        return per_rank[0]
+    out: list[Any] = [None]
+    dist.scatter_object_list(out, per_rank if info.is_main else None, src=0)
+    return out[0]
+
+
+def reduce_raw_metrics(raw: dict[str, torch.Tensor], info: DistInfo) -> dict[str, torch.Tensor]:
+    """Combine the loss's raw metric material over ranks: ``*_min`` by min, ``*_max`` by max, others summed."""
+    if not info.enabled:
+        return raw
+    keys: list[Any] = [None] * info.world_size
+    dist.all_gather_object(keys, sorted(raw))
+    union = sorted(set().union(*keys))
+    device = next(iter(raw.values())).device if raw else torch.device("cpu")
+    out: dict[str, torch.Tensor] = {}
+    for key in union:
+        if key.endswith("_min"):
+            value, op = raw.get(key, torch.tensor(float("inf"))), dist.ReduceOp.MIN
+        elif key.endswith("_max"):
+            value, op = raw.get(key, torch.tensor(float("-inf"))), dist.ReduceOp.MAX
+        else:
+            value, op = raw.get(key, torch.tensor(0.0)), dist.ReduceOp.SUM
+        value = value.detach().to(device=device, dtype=torch.float64).clone()
+        dist.all_reduce(value, op=op)
+        out[key] = value
+    return out
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, info: DistInfo) -> Any:
+    if not info.enabled:
+        return obj
+    box = [obj if info.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def iter_full_state(model: Any, info: DistInfo, skip: set[str] | None = None):
+    """Yield ``(name, full CPU tensor)`` on rank 0, one tensor at a time, in state-dict order.
+
+    Under FSDP2 every rank must run this generator to the end: each sharded tensor is all-gathered
+    (``full_tensor()``, a collective) in lockstep on every rank; non-zero ranks yield nothing and drop each
+    gathered tensor at once. Peak extra memory is one full tensor per rank plus what the consumer holds.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for name, tensor in model.state_dict().items():
+        if skip and name in skip:
+            continue
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if info.is_main:
+            yield name, full.detach().to("cpu").contiguous()
+        del full

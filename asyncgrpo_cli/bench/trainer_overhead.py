@@ -64,7 +64,7 @@ def main(argv: list[str]) -> None:
     from asyncgrpo_cli.model.loading import load_policy
     from asyncgrpo_cli.model.logprobs import token_logprobs
     from asyncgrpo_cli.model.resolve import resolve_model_path
-    from asyncgrpo_cli.packing.planner import TokenBudgetPlanner
+    from asyncgrpo_cli.packing import planner_for
 
     parser = argparse.ArgumentParser(prog="asyncgrpo bench trainer-overhead")
     parser.add_argument("--steps", type=int, default=5)
@@ -97,7 +97,7 @@ def main(argv: list[str]) -> None:
             cfg.sampling.num_sampler_logprobs,
         )
         t0 = time.perf_counter()
-        planner = TokenBudgetPlanner(budget, num_ranks=1)
+        planner = planner_for(packer)(budget, num_ranks=1)
         mbs = [mb for s in samples if (mb := planner.add(s)) is not None]
         last = planner.flush()
         mbs += [last] if last is not None else []

@@ -1,7 +1,7 @@
 """Log-prob head: the trainer's per-token log-probs, entropies and sampler-top-k log-probs for a packed row.
 
-Only the positions in ``row.pred_index`` are projected through the LM head; logits of untrained positions are
-never formed. With z = head(h[pred_index]) / temperature (fp32) and log Z = logsumexp(z):
+Only the positions in ``row.pred_index`` are projected through the LM head. With z = head(h[pred_index]) /
+temperature (fp32) and log Z = logsumexp(z):
 
     logprob[i]    = z[i, target_ids[i]] - log Z[i]
     entropy[i]    = log Z[i] - Σ_v softmax(z[i])_v z[i, v]          (no gradient: logged only)
@@ -9,8 +9,10 @@ never formed. With z = head(h[pred_index]) / temperature (fp32) and log Z = logs
 
 The head is ``model.get_output_embeddings()`` (tied models share the embedding weight through it); the model's
 ``logit_scale`` (Cohere) and ``final_logit_softcapping`` (Gemma) are applied before the temperature, as its own
-forward does. Positions are processed in chunks of ``CHUNK`` to bound the temporary [chunk, V] tensors. Autograd
-keeps each chunk's logits for backward; a recomputing chunked head replaces this later behind the same signature.
+forward does. The projection is :func:`asyncgrpo_cli.model.chunked_head.chunked_token_stats`: tiles of ``CHUNK``
+positions x ``VOCAB_CHUNK`` vocabulary entries with an online logsumexp in fp32, recomputed in backward, so no
+[positions, vocab] logits are ever formed or kept. ``support_ids`` (optional, [N, C], -1 padding) renormalizes
+over each position's sampling candidate set (top-k / top-p masks returned by the server).
 
 The decoder body runs with ``use_cache=False`` and the row's 4D mask (see ``packing/sequence.py``); SDPA and eager
 attention are supported, flash kernels are rejected because they would ignore the mask.
@@ -23,9 +25,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from asyncgrpo_cli.model.chunked_head import LogitTransform, chunked_token_stats
 from asyncgrpo_cli.packing.row import PackedRow
 
 CHUNK = 1024
+"""Positions per LM-head tile."""
+VOCAB_CHUNK = 4096
+"""Vocabulary entries per LM-head tile."""
 
 
 @dataclass
@@ -53,39 +59,31 @@ def _decoder(model: nn.Module) -> nn.Module:
     return decoder
 
 
-def _head(model: nn.Module) -> nn.Module:
-    """The output projection; tied models share the embedding weight through the same module."""
+def _head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Weight [V, H] and bias of the output projection; tied models share the embedding weight through it.
+
+    The chunked head reads the weight directly instead of calling the module, so the module must be a plain
+    ``nn.Linear`` without forward hooks (a PEFT adapter or an offloading hook on ``lm_head`` would be bypassed).
+    """
     head = model.get_output_embeddings()
     if head is None:
         raise TypeError(f"{type(model).__name__} has no output embeddings (lm_head)")
-    return head
+    if not isinstance(head, nn.Linear) or head._forward_hooks or head._forward_pre_hooks:
+        raise TypeError(
+            f"the chunked LM head reads lm_head.weight directly, but {type(model).__name__}'s lm_head is a "
+            f"{type(head).__name__}{' with forward hooks' if isinstance(head, nn.Linear) else ''}: "
+            "keep lm_head a plain nn.Linear (no adapter on it)"
+        )
+    return head.weight, head.bias
 
 
-def _logits(model: nn.Module, head: nn.Module, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 logits / temperature, with the model's logit scale and final soft-capping where it has them."""
-    z = head(hidden).float()
-    scale = getattr(model.config, "logit_scale", None)
-    if scale is not None:
-        z = z * scale
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap is not None:
-        z = torch.tanh(z / cap) * cap
-    return z / temperature
-
-
-def _chunk_stats(
-    z: torch.Tensor, targets: torch.Tensor, topk_ids: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    log_z = torch.logsumexp(z, dim=-1)
-    logprobs = z.gather(-1, targets[:, None]).squeeze(-1) - log_z
-    with torch.no_grad():
-        zd = z.detach()
-        entropy = log_z.detach() - (torch.softmax(zd, dim=-1) * zd).sum(-1)
-    topk = None
-    if topk_ids is not None:
-        topk = z.gather(-1, topk_ids.clamp(min=0)) - log_z[:, None]
-        topk = topk.masked_fill(topk_ids < 0, float("-inf"))
-    return logprobs, entropy, topk
+def _transform(model: nn.Module, temperature: float) -> LogitTransform:
+    """The model's logit scale and final soft-capping where it has them, then 1 / temperature."""
+    return LogitTransform(
+        temperature=temperature,
+        scale=getattr(model.config, "logit_scale", None),
+        softcap=getattr(model.config, "final_logit_softcapping", None),
+    )
 
 
 def _attention_mask(model: nn.Module, row: PackedRow, dtype: torch.dtype) -> torch.Tensor:
@@ -114,8 +112,20 @@ def _attention_mask(model: nn.Module, row: PackedRow, dtype: torch.dtype) -> tor
     return row.attention_mask
 
 
-def token_logprobs(model: nn.Module, row: PackedRow, temperature: float, with_topk: bool) -> TokenStats:
-    """Run the decoder on ``row`` and compute :class:`TokenStats` at its ``pred_index`` positions."""
+def token_logprobs(
+    model: nn.Module,
+    row: PackedRow,
+    temperature: float,
+    with_topk: bool,
+    *,
+    support_ids: torch.Tensor | None = None,
+) -> TokenStats:
+    """Run the decoder on ``row`` and compute :class:`TokenStats` at its ``pred_index`` positions.
+
+    ``support_ids`` [N, C] (-1 padding; one row per trained token, aligned with ``row.target_ids``): each token's
+    sampling candidate set; log-probs, entropies and top-k log-probs are then renormalized over it (a row of only
+    -1 keeps the full vocabulary). None (the default) normalizes over the full vocabulary.
+    """
     if temperature <= 0:
         raise ValueError(f"sampling.temperature must be positive for training log-probs, got {temperature}")
     decoder = _decoder(model)
@@ -126,15 +136,16 @@ def token_logprobs(model: nn.Module, row: PackedRow, temperature: float, with_to
         use_cache=False,
     )
     hidden = out.last_hidden_state[0].index_select(0, row.pred_index)
-    head = _head(model)
-    parts = []
-    for start in range(0, max(hidden.shape[0], 1), CHUNK):
-        sl = slice(start, start + CHUNK)
-        z = _logits(model, head, hidden[sl], temperature)
-        parts.append(_chunk_stats(z, row.target_ids[sl], row.topk_ids[sl] if with_topk else None))
-    logprobs, entropy, topk = (list(p) for p in zip(*parts, strict=True))
-    return TokenStats(
-        logprobs=torch.cat(logprobs),
-        entropy=torch.cat(entropy),
-        topk_logprobs=torch.cat(topk) if with_topk else None,
+    weight, bias = _head(model)
+    stats = chunked_token_stats(
+        hidden,
+        weight,
+        row.target_ids,
+        bias=bias,
+        transform=_transform(model, temperature),
+        candidate_ids=row.topk_ids if with_topk else None,
+        support_ids=support_ids,
+        vocab_chunk=VOCAB_CHUNK,
+        position_chunk=CHUNK,
     )
+    return TokenStats(stats.logprobs, stats.entropy, stats.candidate_logprobs)

@@ -6,7 +6,8 @@ Layout for samples of lengths L_0, L_1, ... at offsets o_s = Σ_{j<s} L_j::
     position_ids = concat(arange(L_0), arange(L_1), ...)      [1, T]   (restart at 0 per sample: RoPE unchanged)
     mask[q, k]   = seg[q] == seg[k] and k <= q                [1, 1, T, T], True = attend
 
-The mask is block-diagonal causal, so each token's output equals that of a forward of its sample alone.
+The mask is block-diagonal causal, so each token's output equals that of a forward of its sample alone. It is
+built by the tree machinery of ``packing/attention.py``: sequence packing is a forest of parentless segments.
 
 Why an explicit 4D mask (verified on transformers 5.24, see tests/test_packing.py): a 4D tensor passed as
 ``attention_mask`` reaches the attention function unchanged. SDPA reads a bool mask as True = attend; eager
@@ -26,19 +27,15 @@ import numpy as np
 import torch
 
 from asyncgrpo_cli.config.schema import PackingConfig
+from asyncgrpo_cli.packing.attention import dense_mask, sequence_leave
 from asyncgrpo_cli.packing.row import PackedRow, gather_loss_terms
 from asyncgrpo_cli.rollout.types import TrainingSequence
 
 
-def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """[1, 1, T, T] bool: query q attends key k iff both lie in the same segment and k <= q."""
-    idx = torch.arange(segment_ids.shape[0])
-    same = segment_ids[:, None] == segment_ids[None, :]
-    return (same & (idx[None, :] <= idx[:, None]))[None, None]
-
-
 class SequencePacker:
     """Packs one row's samples by concatenation (no prefix sharing); see the module docstring for the layout."""
+
+    planner = "asyncgrpo_cli.packing.planner:TokenBudgetPlanner"
 
     def __init__(self, cfg: PackingConfig) -> None:
         self.cfg = cfg
@@ -52,7 +49,6 @@ class SequencePacker:
             raise ValueError(f"cannot pack an empty sample (lengths {lengths.tolist()})")
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         total = int(lengths.sum())
-        segment = np.repeat(np.arange(len(samples)), lengths)
         positions = np.arange(total) - np.repeat(offsets, lengths)
         input_ids = np.concatenate([np.asarray(s.input_ids, dtype=np.int64) for s in samples])
         packed_positions = [o + np.arange(n) for o, n in zip(offsets, lengths, strict=True)]
@@ -60,7 +56,7 @@ class SequencePacker:
         return PackedRow(
             input_ids=torch.from_numpy(input_ids)[None],
             position_ids=torch.from_numpy(positions)[None],
-            attention_mask=block_causal_mask(torch.from_numpy(segment)),
+            attention_mask=dense_mask(sequence_leave(lengths)),
             **terms,
             num_forwarded=total,
             num_trained=int(terms["target_ids"].shape[0]),

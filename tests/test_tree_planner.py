@@ -1,0 +1,189 @@
+"""TreeBudgetPlanner on plain data: unique and trained tokens under the budget, group affinity, non-empty ranks,
+oversize drops, flush, and row costs equal to what the TreePacker forwards."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from asyncgrpo_cli.config.schema import PackingConfig
+from asyncgrpo_cli.packing.planner import MicroBatch
+from asyncgrpo_cli.packing.tree import TreePacker
+from asyncgrpo_cli.packing.tree_planner import TreeBudgetPlanner
+from asyncgrpo_cli.rollout.types import TrainingSequence
+
+
+def seq(ids, group: int = 0, trained: int | None = None) -> TrainingSequence:
+    ids = np.asarray(ids, dtype=np.int64)
+    trained = ids.shape[0] - 1 if trained is None else trained
+    mask = np.zeros(ids.shape[0], dtype=bool)
+    mask[ids.shape[0] - trained :] = True
+    return TrainingSequence(
+        input_ids=ids,
+        train_mask=mask,
+        sampler_logprobs=np.zeros(ids.shape[0], dtype=np.float32),
+        group_id=group,
+        prompt_seq=group,
+    )
+
+
+def rollout(prompt_len: int, completion: int, group: int, branch: int, trained: int | None = None):
+    """Group ``group``'s rollout ``branch``: a shared prompt, then a completion unique to the branch."""
+    prompt = 1000 * group + np.arange(prompt_len)
+    tail = 100_000 + 100 * branch + np.arange(completion)
+    return seq(np.concatenate([prompt, tail]), group, completion if trained is None else trained)
+
+
+def run(planner: TreeBudgetPlanner, samples) -> list[MicroBatch]:
+    out = [mb for s in samples if (mb := planner.add(s)) is not None]
+    last = planner.flush()
+    return out + ([last] if last is not None else [])
+
+
+def groups_of(mb: MicroBatch) -> list[set[int]]:
+    return [{s.group_id for s in row} for row in mb.rows]
+
+
+def test_budget_counts_shared_prefix_once():
+    # 8 rollouts of a 40-token prompt with 5-token completions: 360 raw tokens, 39 + 8 * 6 = 87 unique.
+    (mb,) = run(TreeBudgetPlanner(token_budget=90, num_ranks=1), [rollout(40, 5, 0, b) for b in range(8)])
+    assert mb.samples_per_row.tolist() == [8]
+    assert mb.tokens_per_row.tolist() == [87] and mb.trained_per_row.tolist() == [40]
+    row = TreePacker(PackingConfig()).pack(mb.rows[0])
+    assert row.num_forwarded == 87 and row.num_unpacked == 360
+    assert mb.attn_cost_per_row.tolist() == [int(row.attention_mask.sum())]
+    # One token less of budget: the eighth rollout opens a new micro-batch.
+    mbs = run(TreeBudgetPlanner(token_budget=86, num_ranks=1), [rollout(40, 5, 0, b) for b in range(8)])
+    assert [mb.samples_per_row.tolist() for mb in mbs] == [[7], [1]]
+    assert [mb.tokens_per_row.tolist() for mb in mbs] == [[81], [45]]
+
+
+def test_trained_tokens_bound_rows_of_identical_samples():
+    """Identical samples add no forwarded token; the trained-token bound still closes the row."""
+    same = [seq(np.arange(10), trained=6) for _ in range(7)]
+    mbs = run(TreeBudgetPlanner(token_budget=20, num_ranks=1), same)
+    assert [mb.samples_per_row.tolist() for mb in mbs] == [[3], [3], [1]]
+    assert [mb.tokens_per_row.tolist() for mb in mbs] == [[10], [10], [10]]
+    assert [mb.trained_per_row.tolist() for mb in mbs] == [[18], [18], [6]]
+
+
+def test_group_affinity_across_ranks():
+    # Interleaved groups: each group stays in the row that holds its prompt.
+    samples = [rollout(30, 4, g, b) for b in range(4) for g in range(2)]
+    (mb,) = run(TreeBudgetPlanner(token_budget=1000, num_ranks=2), samples)
+    assert groups_of(mb) == [{0}, {1}]
+    assert mb.samples_per_row.tolist() == [4, 4]
+    assert mb.tokens_per_row.tolist() == [29 + 4 * 5] * 2
+
+
+def test_group_spills_to_an_empty_rank():
+    planner = TreeBudgetPlanner(token_budget=60, num_ranks=2)
+    # Group 0: 40-token prompt; 45 + 6 per further rollout -> 3 rollouts = 57 tokens fill rank 0.
+    assert all(planner.add(rollout(40, 5, 0, b)) is None for b in range(3))
+    # The home row is full and rank 1 is empty: the fourth rollout goes there (its prompt forwarded again).
+    assert planner.add(rollout(40, 5, 0, 3)) is None
+    mb = planner.flush()
+    assert groups_of(mb) == [{0}, {0}] and mb.tokens_per_row.tolist() == [57, 45] and not mb.filler_ranks
+
+
+def test_group_closes_the_microbatch_rather_than_overload_a_row():
+    planner = TreeBudgetPlanner(token_budget=60, num_ranks=2)
+    for b in range(3):  # rank 0: 20 + 16 + 16 = 52 tokens, cost 210 + 200 + 200 = 610 pairs
+        planner.add(rollout(5, 15, 0, b))
+    planner.add(seq(np.arange(30), group=1))  # a new group goes to the cheaper rank 1: cost 465
+    # Group 0's home row is full; rank 1 fits 20 more tokens, but its cost would become 675 > 610: close.
+    mb = planner.add(rollout(5, 15, 0, 3))
+    assert mb is not None and groups_of(mb) == [{0}, {1}] and mb.samples_per_row.tolist() == [3, 1]
+    assert mb.attn_cost_per_row.tolist() == [610, 465]
+    assert planner.num_open_samples == 1
+
+
+def test_group_spills_when_it_does_not_raise_the_max_cost():
+    planner = TreeBudgetPlanner(token_budget=60, num_ranks=2)
+    for b in range(3):
+        planner.add(rollout(40, 5, 0, b))  # rank 0: 57 tokens, large attention cost
+    planner.add(rollout(3, 1, 1, 0))  # a short new group on rank 1
+    # Group 0 rollout: home full; on rank 1 its cost stays below rank 0's, so it goes there.
+    assert planner.add(rollout(40, 5, 0, 3)) is None
+    mb = planner.flush()
+    assert groups_of(mb) == [{0}, {0, 1}] and mb.samples_per_row.tolist() == [3, 2]
+    assert mb.attn_cost_per_row[1] <= mb.attn_cost_per_row[0]
+
+
+def test_new_groups_balance_attention_cost():
+    samples = [rollout(20, 5, g, 0) for g in range(4)] + [rollout(2, 1, 9, 0)]
+    (mb,) = run(TreeBudgetPlanner(token_budget=1000, num_ranks=2), samples)
+    assert groups_of(mb) == [{0, 2, 9}, {1, 3}]
+    assert mb.row_imbalance < 1.1
+
+
+def test_oversize_dropped_and_counted(caplog):
+    planner = TreeBudgetPlanner(token_budget=10, num_ranks=1)
+    with caplog.at_level(logging.WARNING):
+        assert planner.add(seq(np.arange(11))) is None
+    assert planner.dropped_oversize_count == 1 and planner.num_open_samples == 0
+    assert "longer than packing.token_budget" in caplog.text
+    with pytest.raises(ValueError, match="empty sample"):
+        planner.add(seq(np.arange(0), trained=0))
+    with pytest.raises(ValueError, match="token_budget"):
+        TreeBudgetPlanner(token_budget=0, num_ranks=1)
+
+
+def test_flush_fills_empty_ranks_or_waits():
+    planner = TreeBudgetPlanner(token_budget=100, num_ranks=3)
+    planner.add(rollout(5, 3, 0, 0))
+    planner.add(rollout(5, 2, 0, 1))  # same group, same row
+    assert planner.flush(allow_filler=False) is None and planner.num_open_samples == 2
+    mb = planner.flush()
+    assert mb.filler_ranks == (1, 2)
+    assert mb.samples_per_row.tolist() == [2, 1, 1]
+    assert all(not row[0].train_mask.any() and len(row[0]) == 7 for row in mb.rows[1:])
+    assert mb.tokens_per_row.tolist() == [4 + 4 + 3, 7, 7] and mb.trained_per_row.tolist() == [5, 0, 0]
+    assert planner.flush() is None
+
+
+def random_stream(rng, num_groups: int, group_size: int, max_prompt: int, max_completion: int):
+    """Groups of forking rollouts (some identical, some multi-turn extensions), arriving interleaved."""
+    out = []
+    for g in range(num_groups):
+        prompt = rng.integers(0, 50, size=rng.integers(1, max_prompt + 1))
+        prev: list[np.ndarray] = []
+        for _ in range(group_size):
+            r = rng.random()
+            if prev and r < 0.15:
+                ids = prev[rng.integers(len(prev))].copy()
+            elif prev and r < 0.3:
+                ids = np.concatenate(
+                    [prev[rng.integers(len(prev))], rng.integers(0, 50, size=rng.integers(1, 5))]
+                )
+            else:
+                ids = np.concatenate([prompt, rng.integers(0, 50, size=rng.integers(1, max_completion + 1))])
+            prev.append(ids)
+            out.append(seq(ids, g, trained=int(rng.integers(0, ids.shape[0]))))
+    rng.shuffle(out)
+    return out
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 4])
+def test_random_streams_keep_every_invariant(num_ranks):
+    rng = np.random.default_rng(num_ranks)
+    packer = TreePacker(PackingConfig())
+    for _ in range(15):
+        budget = int(rng.integers(30, 200))
+        samples = random_stream(rng, num_groups=6, group_size=6, max_prompt=40, max_completion=30)
+        planner = TreeBudgetPlanner(budget, num_ranks)
+        mbs = run(planner, samples)
+        kept = [s for s in samples if len(s) <= budget]
+        assert planner.dropped_oversize_count == len(samples) - len(kept)
+        placed = [s for mb in mbs for r, row in enumerate(mb.rows) if r not in mb.filler_ranks for s in row]
+        assert sorted(map(id, placed)) == sorted(map(id, kept))  # each kept sample exactly once
+        for mb in mbs:
+            assert all(len(row) > 0 for row in mb.rows)  # never an empty rank
+            assert (mb.tokens_per_row <= budget).all() and (mb.trained_per_row <= budget).all()
+            for r, row in enumerate(mb.rows):
+                packed = packer.pack(row)
+                assert packed.num_forwarded == mb.tokens_per_row[r]
+                assert packed.num_trained == mb.trained_per_row[r]
+                assert int(packed.attention_mask.sum()) == mb.attn_cost_per_row[r]

@@ -93,7 +93,11 @@ def test_train_writes_metrics_checkpoint_and_resumes(tmp_path):
     assert [c.name for c in ckpts] == ["step-000002", "step-000003"]
     state = json.loads((ckpts[-1] / "rollout_state.json").read_text())
     assert state["model_version"] == 3 and state["prompt_index"] >= 1 and state["trained_prompt_count"] >= 3
-    assert (ckpts[-1] / "model.safetensors").is_file() and (ckpts[-1] / "optimizer.pt").is_file()
+    assert (ckpts[-1] / "dcp" / ".metadata").is_file()  # sharded model + optimizer state
+    assert (ckpts[-1] / "model" / "config.json").is_file()  # the policy as an HF model directory
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(ckpts[-1] / "model").config.model_type == "qwen3"
 
     out = train("trainer.max_steps=5", "trainer.resume=auto", f"hydra.run.dir={run}")
     assert out.returncode == 0, out.stderr[-3000:]

@@ -1,9 +1,11 @@
 """``disk`` weight sync: write safetensors to a directory the server can read, then pause, ``reload_weights``,
 reset the prefix cache, set the weight version and resume.
 
-Works on CPU, with vLLM (``collective_rpc reload_weights`` under ``VLLM_SERVER_DEV_MODE=1``) and the embedded
-server, and across hosts with a shared filesystem. Each version is written to its own directory (atomically:
-temp dir + rename); the two newest are kept, because a server resolves the path lazily.
+Works on CPU, with vLLM (``collective_rpc reload_weights`` under ``VLLM_SERVER_DEV_MODE=1``; on a server started
+with asyncgrpo's worker extension, its ``asyncgrpo_reload_weights``, which also refreshes a tied ``lm_head`` on CPU:
+``asyncgrpo_cli/vllm_ext.py``) and the embedded server, and across hosts with a shared filesystem. Each version is
+written to its own directory (atomically: temp dir + rename); the two newest are kept, because a server resolves
+the path lazily.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class DiskWeightSync:
         self.control = control
         self.info = info or DistInfo()
         self.directory = Path(directory).resolve()
+        self._reload_method: str | None = None
         if self.info.is_main:
             self.directory.mkdir(parents=True, exist_ok=True)
 
@@ -51,7 +54,7 @@ class DiskWeightSync:
         self.control.pause(mode="keep")
         t_pause = time.monotonic()
         try:
-            self.control.collective_rpc("reload_weights", {"weights_path": str(final)})
+            self.control.collective_rpc(self.reload_method(), {"weights_path": str(final)})
             self.control.reset_prefix_cache()
             self.control.update_weight_version(f"v{version}")
         finally:
@@ -64,6 +67,16 @@ class DiskWeightSync:
             "perf/weight_sync_barrier_s": t_write - t_gathered,
             "perf/weight_sync_transfer_s": (t_gathered - t0) + (t_done - t_pause),
         }
+
+    def reload_method(self) -> str:
+        """The ``collective_rpc`` method that loads a version: the worker extension's when the server has it (asked
+        once, from ``/server_info``), else vLLM's ``reload_weights``."""
+        if self._reload_method is None:
+            from asyncgrpo_cli.server.probe import has_worker_extension
+            from asyncgrpo_cli.vllm_ext import RELOAD_METHOD
+
+            self._reload_method = RELOAD_METHOD if has_worker_extension(self.control) else "reload_weights"
+        return self._reload_method
 
     def _cleanup(self, keep: Path) -> None:
         versions = sorted(p for p in self.directory.glob("v*") if p.is_dir())

@@ -1,7 +1,15 @@
-"""Checkpoints: model, tokenizer, optimizer, scheduler, RNG, trainer state and ``rollout_state.json``.
+"""Checkpoints: sharded training state (torch distributed checkpointing), an HF model directory, the scheduler,
+per-rank RNG, ``trainer_state.json`` and ``rollout_state.json``.
 
-Written atomically: everything goes into a temp directory that is renamed to ``checkpoints/step-NNNNNN`` only
-when complete, so a crash mid-save never leaves a half checkpoint that ``resume=auto`` would pick.
+Layout of ``checkpoints/step-NNNNNN/``::
+
+    dcp/                  model + optimizer state, sharded (DCP): resumes on the same or another world size
+    model/                the policy as HF safetensors shards + config + tokenizer (``from_pretrained``-able)
+    scheduler.pt, rng-<rank>.pt, trainer_state.json, rollout_state.json
+
+Written atomically: everything goes into ``.step-NNNNNN.tmp`` which rank 0 renames once every rank is done, so a
+crash mid-save never leaves a half checkpoint that ``resume=auto`` would pick. Every rank calls the save and the
+load (they are collectives under FSDP2).
 """
 
 from __future__ import annotations
@@ -9,6 +17,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,8 +26,11 @@ import numpy as np
 import torch
 
 from asyncgrpo_cli.errors import UserError
+from asyncgrpo_cli.train.distributed import DistInfo, barrier
 
 STEP_PREFIX = "step-"
+# A single-process run saves and loads DCP checkpoints without a process group, which is intended here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 @dataclass
@@ -40,45 +52,57 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
-    found = [
-        p
-        for p in root.iterdir()
-        if p.is_dir() and p.name.startswith(STEP_PREFIX) and (p / "trainer_state.json").is_file()
-    ]
-    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)
+             and (p / "trainer_state.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX):]))
 
 
-def save_checkpoint(
-    run_dir: Path,
-    model: Any,
-    tokenizer: Any,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    state: TrainerState,
-    rollout_state: dict[str, Any],
-    save_total_limit: int | None,
-) -> Path:
+def _training_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save_checkpoint(run_dir: Path, model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
+                    state: TrainerState, rollout_state: dict[str, Any], save_total_limit: int | None,
+                    info: DistInfo | None = None, save_hf_model: bool = True) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    from asyncgrpo_cli.sync.writer import write_full_state
+
+    info = info or DistInfo()
     root = checkpoints_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"{STEP_PREFIX}{state.step:06d}"
     tmp = root / f".{final.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save(_rng_state(), tmp / "rng.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(state.to_dict(), indent=2))
-    (tmp / "rollout_state.json").write_text(
-        json.dumps({**rollout_state, "model_version": state.model_version}, indent=2)
-    )
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-    if save_total_limit:
-        for old in list_checkpoints(run_dir)[:-save_total_limit]:
-            shutil.rmtree(old, ignore_errors=True)
+    if info.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(info)
+    dcp.save(_training_state(model, optimizer), checkpoint_id=str(tmp / "dcp"))
+    if save_hf_model:
+        write_full_state(model, info, tmp / "model")
+    torch.save(_rng_state(), tmp / f"rng-{info.rank}.pt")
+    if info.is_main:
+        if save_hf_model:
+            model.config.save_pretrained(tmp / "model")
+            if getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(tmp / "model")
+            tokenizer.save_pretrained(tmp / "model")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        (tmp / "rollout_state.json").write_text(
+            json.dumps({**rollout_state, "model_version": state.model_version}, indent=2))
+        (tmp / "trainer_state.json").write_text(json.dumps({**state.to_dict(), "world_size": info.world_size},
+                                                           indent=2))
+    barrier(info)
+    if info.is_main:
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        if save_total_limit:
+            for old in list_checkpoints(run_dir)[:-save_total_limit]:
+                shutil.rmtree(old, ignore_errors=True)
+    barrier(info)
     return final
 
 
@@ -94,10 +118,8 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path) -> Path | None:
         return path
     if path.is_dir() and list_checkpoints(path):
         return list_checkpoints(path)[-1]
-    raise UserError(
-        f"trainer.resume={resume!r} is neither 'auto' nor a checkpoint directory (one holding "
-        "trainer_state.json) nor a run directory with checkpoints/."
-    )
+    raise UserError(f"trainer.resume={resume!r} is neither 'auto' nor a checkpoint directory (one holding "
+                    "trainer_state.json) nor a run directory with checkpoints/.")
 
 
 @dataclass
@@ -108,16 +130,26 @@ class ResumeState:
 
 
 def read_resume_state(path: Path) -> ResumeState:
-    trainer = TrainerState(**json.loads((path / "trainer_state.json").read_text()))
+    raw = json.loads((path / "trainer_state.json").read_text())
+    trainer = TrainerState(step=int(raw["step"]), model_version=int(raw["model_version"]),
+                           num_tokens=int(raw.get("num_tokens", 0)))
     rollout_file = path / "rollout_state.json"
     rollout = json.loads(rollout_file.read_text()) if rollout_file.is_file() else {}
     return ResumeState(path=path, trainer=trainer, rollout=rollout)
 
 
-def load_training_state(path: Path, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
+def load_training_state(path: Path, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
+                        info: DistInfo | None = None) -> None:
+    """Restore model, optimizer (resharded to this world size), scheduler and this rank's RNG."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    info = info or DistInfo()
+    state = _training_state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(path / "dcp"))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=False))
-    rng_file = path / "rng.pt"
+    rng_file = path / f"rng-{info.rank}.pt"
     if rng_file.is_file():
         _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
 

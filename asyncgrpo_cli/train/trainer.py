@@ -1,5 +1,9 @@
-"""The training loop: plan a step, forward/backward its micro-batches with an exact token-mean loss, step the
-optimizer, push weights every ``weight_sync_steps``, log the window, checkpoint.
+"""The training loop: plan a step (rank 0), give every rank its rows, forward/backward with an exact token-mean
+loss, step the optimizer, push weights every ``weight_sync_steps``, log the window, checkpoint.
+
+With several ranks, rank 0 owns the rollout process, the planner, the metrics and the server; the others only
+train. Every rank enters the same collectives in the same order: the step scatter, the metric reduction, the
+weight gathers of a sync, and the checkpoint.
 """
 
 from __future__ import annotations
@@ -15,19 +19,22 @@ import torch
 
 from asyncgrpo_cli.config.schema import RootConfig
 from asyncgrpo_cli.metrics.reducer import MetricWindow
-from asyncgrpo_cli.model.logprobs import token_logprobs
+from asyncgrpo_cli.rollout.resync import server_unreachable
 from asyncgrpo_cli.rollout.staleness import initial_allowance, step_allowance
 from asyncgrpo_cli.train.batching import StepBatch, StepCollector
 from asyncgrpo_cli.train.checkpoint import TrainerState, save_checkpoint
-from asyncgrpo_cli.train.losses import merge_metric_parts, metric_records
+from asyncgrpo_cli.train.distributed import DistInfo, RankStep, reduce_raw_metrics, scatter_step
+from asyncgrpo_cli.train.losses import merge_metric_parts
 from asyncgrpo_cli.train.progress import PromptTracker
+from asyncgrpo_cli.train.step import clip_and_step, forward_backward
+from asyncgrpo_cli.train.step_metrics import StepTimes, record_step
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class TrainParts:
-    """What the loop drives; assembled (and cleaned up) by ``train.run``."""
+    """What the loop drives; assembled (and cleaned up) by ``train.run``. Rank-0-only parts are None elsewhere."""
 
     model: Any
     tokenizer: Any
@@ -36,14 +43,15 @@ class TrainParts:
     scheduler: Any
     loss_fn: Any
     packer: Any
-    collector: StepCollector
-    rollout: Any
     weight_sync: Any
-    metrics_logger: Any
-    tracker: PromptTracker
     state: TrainerState
-    token_budget: int
-    total_prompts: int | None
+    tracker: PromptTracker
+    info: DistInfo
+    collector: StepCollector | None = None
+    rollout: Any = None
+    metrics_logger: Any = None
+    token_budget: int = 0
+    total_prompts: int | None = None
 
 
 class Trainer:
@@ -51,162 +59,173 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.p = parts
+        self.info = parts.info
         self.window = window
         s = cfg.sampling
         self.temperature = s.temperature if s.temperature >= 1e-5 else 1.0
-        self.with_topk = bool(getattr(parts.loss_fn, "needs_sampler_topk", False))
-        self.params = [q for q in parts.model.parameters() if q.requires_grad]
         self._last_save_step = -1
         self._last_logged_step = parts.state.step
+        self._push_owed = False  # a scheduled weight push did not reach the server (rollout.resync)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> TrainerState:
         cfg, p = self.cfg, self.p
-        rows_per_step = cfg.trainer.gradient_accumulation_steps  # x world size when sharded
-        p.rollout.set_allowance(initial_allowance(cfg.rollout.max_staleness, p.token_budget, rows_per_step))
-        p.metrics_logger.update_progress(p.state.step, p.tracker.consumed_count)
-        while not self._finished():
+        if self.info.is_main:
+            rows_per_step = cfg.trainer.gradient_accumulation_steps * self.info.world_size
+            p.rollout.set_allowance(initial_allowance(cfg.rollout.max_staleness, p.token_budget, rows_per_step))
+            p.metrics_logger.update_progress(p.state.step, p.tracker.consumed_count)
+            p.rollout.on_idle = self.resync_weights_if_needed  # also while waiting for samples
+        while True:
+            if self.info.is_main:
+                self.resync_weights_if_needed()
             t_step = time.monotonic()
-            step = p.collector.collect(p.state.model_version)
-            if step is None:
+            step = self._next_step() if self.info.is_main else None
+            mine = scatter_step(self._split(step) if self.info.is_main else None, self.info)
+            if mine.done:
                 break
-            self._train_step(step, t_step)
+            self._train_step(mine, step, t_step)
             if cfg.trainer.save_steps and p.state.step % cfg.trainer.save_steps == 0:
                 self.save()
         if cfg.trainer.save_final and self._last_save_step != p.state.step and p.state.step > 0:
             self.save()
-        self._flush_logs(force=True)
+        if self.info.is_main:
+            self._flush_logs(force=True)
         return p.state
 
-    def _finished(self) -> bool:
+    def _next_step(self) -> StepBatch | None:
         tr = self.cfg.trainer
-        if tr.max_steps > 0:
-            return self.p.state.step >= tr.max_steps
-        return self.p.collector.exhausted
+        if tr.max_steps > 0 and self.p.state.step >= tr.max_steps:
+            return None
+        if tr.max_steps <= 0 and self.p.collector.exhausted:
+            return None
+        return self.p.collector.collect(self.p.state.model_version)
+
+    def _split(self, step: StepBatch | None) -> list[RankStep]:
+        world = self.info.world_size
+        if step is None:
+            return [RankStep(done=True) for _ in range(world)]
+        return [RankStep(done=False, rows=[mb.rows[r] for mb in step.microbatches], num_trained=step.num_trained)
+                for r in range(world)]
 
     # ------------------------------------------------------------------ one step
-    def _train_step(self, step: StepBatch, t_step: float) -> None:
+    def _train_step(self, mine: RankStep, step: StepBatch | None, t_step: float) -> None:
         p = self.p
-        num_trained = step.num_trained
-        p.model.train()
-        raw_parts, loss_total, t_fwd, t_fwdbwd, forwarded, unpacked = [], 0.0, 0.0, 0.0, 0, 0
-        for mb in step.microbatches:
-            row = p.packer.pack(mb.rows[0]).to(p.device)
-            t0 = time.monotonic()
-            stats = token_logprobs(p.model, row, self.temperature, self.with_topk)
-            loss, raw = p.loss_fn(stats, row, num_trained)
-            t1 = time.monotonic()
-            loss.backward()
-            t_fwd += t1 - t0
-            t_fwdbwd += time.monotonic() - t0
-            loss_total += float(loss.detach())
-            raw_parts.append(raw)
-            forwarded += row.num_forwarded
-            unpacked += row.num_unpacked
-            self._record_microbatch(mb)
+        res = forward_backward(p.model, mine.rows, mine.num_trained, p.packer, p.loss_fn, p.device,
+                               self.temperature, self.info.world_size)
+        raw = reduce_raw_metrics(merge_metric_parts(res.raw_parts), self.info)
+        totals = self._sum_over_ranks([res.loss, res.forwarded, res.unpacked])
         t_opt = time.monotonic()
-        grad_norm = self._optimizer_step()
+        grad_norm = clip_and_step(p.model, p.optimizer, p.scheduler, self.cfg.trainer.max_grad_norm)
         t_opt = time.monotonic() - t_opt
         p.state.step += 1
+        forwarded, unpacked = int(totals[1]), int(totals[2])
         p.state.num_tokens += forwarded
-        for s in step.samples:
-            p.tracker.on_sample_done(s.prompt_seq, s.group_num_samples)
-        consumed = sum(len(s) for s in step.samples)
-        p.rollout.set_allowance(step_allowance(self.cfg.rollout.max_staleness, consumed))
+        if self.info.is_main:
+            for s in step.samples:
+                p.tracker.on_sample_done(s.prompt_seq, s.group_num_samples)
+            consumed = sum(len(s) for s in step.samples)
+            p.rollout.set_allowance(step_allowance(self.cfg.rollout.max_staleness, consumed))
         if p.state.step % self.cfg.rollout.weight_sync_steps == 0:
-            self.sync_weights()
-        step_s = time.monotonic() - t_step
-        self._record_step(
-            step, raw_parts, loss_total, grad_norm, forwarded, unpacked, t_fwd, t_fwdbwd, t_opt, step_s
-        )
+            self._sync_weights_or_defer()
+        if not self.info.is_main:
+            return
+        times = StepTimes(step_s=time.monotonic() - t_step, fwd_s=res.fwd_s, fwd_bwd_s=res.fwd_bwd_s,
+                          optimizer_s=t_opt)
+        record_step(self.window, step, raw, float(totals[0]), grad_norm, p.scheduler.get_last_lr()[0], forwarded,
+                    unpacked, times)
+        self._record_gauges()
+        if self.cfg.logging.log_completions:
+            self._log_completions(step)
         p.metrics_logger.update_progress(p.state.step, p.tracker.consumed_count)
         self._flush_logs()
 
-    def _optimizer_step(self) -> float:
-        p = self.p
-        max_norm = self.cfg.trainer.max_grad_norm
-        if max_norm and max_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-        else:
-            grads = [q.grad.detach().norm() for q in self.params if q.grad is not None]
-            norm = torch.linalg.vector_norm(torch.stack(grads)) if grads else torch.tensor(0.0)
-        p.optimizer.step()
-        p.scheduler.step()
-        p.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+    def _sum_over_ranks(self, values: list[float]) -> list[float]:
+        if not self.info.enabled:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.p.device)
+        torch.distributed.all_reduce(t)
+        return t.tolist()
 
     def sync_weights(self) -> None:
+        """Every rank gathers; rank 0 writes and drives the server, then publishes the new policy version."""
         p = self.p
         version = p.state.model_version + 1
         timings = p.weight_sync.push(p.model, version)
+        if self.cfg.server.verify_sync:  # the server now serves these weights, or the run stops here
+            from asyncgrpo_cli.sync.verify import verify_weight_sync
+
+            timings.update(
+                verify_weight_sync(
+                    self.cfg.server,
+                    p.weight_sync,
+                    p.model,
+                    p.tokenizer,
+                    version,
+                    compute_dtype=self.cfg.trainer.mixed_precision,
+                )
+            )
         p.state.model_version = version
-        p.rollout.set_model_version(version)
+        if p.rollout is not None:
+            p.rollout.set_model_version(version)
         for name, value in timings.items():
             self.window.add(name, value)
 
-    # ------------------------------------------------------------------ metrics
-    def _record_microbatch(self, mb: Any) -> None:
-        w = self.window
-        for r in range(len(mb.rows)):
-            w.add("batch/samples_per_row", float(mb.samples_per_row[r]))
-            w.add("batch/row_tokens_mean", float(mb.tokens_per_row[r]))
-            w.add("batch/row_tokens_max", float(mb.tokens_per_row[r]))
-            w.add("batch/row_fill_frac", float(mb.row_fill_frac[r]))
-        w.add("batch/row_imbalance", mb.row_imbalance)
+    # ------------------------------------------------------------------ server restarts (rollout.resync)
+    def _sync_weights_or_defer(self) -> None:
+        """The scheduled sync. When the server cannot be reached, every rank still advances the version (they stay
+        in lockstep) but it is not published; ``resync_weights_if_needed`` pushes once the server is back."""
+        try:
+            self.sync_weights()
+        except Exception as e:
+            if not server_unreachable(e) or self.p.rollout is None:
+                raise
+            self.p.state.model_version += 1
+            self._push_owed = True
+            self.p.rollout.server_link.mark_lost()
+            logger.warning("weight sync could not reach the server (%s); pushing again once it is back", e)
 
-    def _record_step(
-        self,
-        step: StepBatch,
-        raw_parts: list[dict],
-        loss_total: float,
-        grad_norm: float,
-        forwarded: int,
-        unpacked: int,
-        t_fwd: float,
-        t_fwdbwd: float,
-        t_opt: float,
-        step_s: float,
-    ) -> None:
+    def resync_weights_if_needed(self) -> None:
+        """Rank 0, between steps and while waiting for samples: push the weights again when the rollout process
+        found the server back without them (a restart; it holds generation until then) or a push did not reach
+        it. Cheap when nothing is owed: one read of the shared link state."""
+        p = self.p
+        link = p.rollout.server_link
+        if link.lost or not (self._push_owed or link.resync_requested):
+            return
+        token = link.resync_token()
+        repush = getattr(p.weight_sync, "repush", None)  # rank-0-only re-send of a version already written
+        try:
+            if repush is not None:
+                for name, value in repush(p.state.model_version).items():
+                    self.window.add(name, value)
+                p.rollout.set_model_version(p.state.model_version)
+            elif self.info.world_size == 1:
+                self.sync_weights()
+            else:
+                raise RuntimeError(
+                    "the generation server lost the trained weights (restart) or a weight push did not reach it, "
+                    f"and the weight-sync backend {type(p.weight_sync).__name__} cannot re-send them from rank 0 "
+                    "alone (no repush()); restart the run with trainer.resume=auto."
+                )
+        except Exception as e:
+            if not server_unreachable(e):
+                raise
+            link.mark_lost()
+            self._push_owed = True
+            logger.warning("weight resync could not reach the server (%s); trying again once it is back", e)
+            return
+        self._push_owed = False
+        link.finish_resync(token)
+        self.window.add("perf/weight_resync_count", 1)
+        logger.warning("pushed weights v%d again to the generation server", p.state.model_version)
+
+    # ------------------------------------------------------------------ metrics (rank 0)
+    def _record_gauges(self) -> None:
         w, p = self.window, self.p
-        trained = step.num_trained
-        rates, extremes = metric_records(merge_metric_parts(raw_parts))
-        for name, (num, den) in rates.items():
-            w.add_rate(name, num, den)
-        for name, value in extremes.items():
-            w.add(name, value)
-        w.add("loss", loss_total)
-        w.add("grad_norm", grad_norm)
-        w.add("learning_rate", p.scheduler.get_last_lr()[0])
-        w.add("batch/forwarded_tokens_per_step", forwarded)
-        w.add("batch/trained_tokens_per_step", trained)
-        w.add("batch/samples_per_step", len(step.samples))
-        w.add("batch/groups_per_step", len({s.prompt_seq for s in step.samples}))
-        w.add("batch/microbatches_per_step", len(step.microbatches))
-        w.add_rate("batch/masked_token_frac", forwarded - trained, forwarded)
-        w.add_rate("batch/packing_ratio", unpacked, forwarded)
-        w.add("batch/pad_frac", 0.0)
-        for s in step.samples:
-            w.add("reward_kept", s.reward)
-            w.add("reward_group_std", s.reward_group_std)
-            for name, std in s.reward_func_group_std.items():
-                w.add(f"rewards/{name}/group_std", std)
-            w.add("sample/forwarded_tokens_mean", len(s))
-            w.add("sample/forwarded_tokens_max", len(s))
-            w.add("sample/trained_tokens_mean", s.num_trained)
-        w.add("perf/step_s", step_s)
-        w.add("perf/fwd_bwd_s", t_fwdbwd)
-        w.add("perf/fwd_s", t_fwd)
-        w.add("perf/optimizer_s", t_opt)
-        w.add("perf/rollout_wait_s", step.wait_s)
-        w.add_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, t_fwdbwd)
-        w.add_rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)
-        w.add_rate("perf/wall_clock_trained_tokens_per_s", trained, step_s)
         w.set_gauge("num_tokens", p.state.num_tokens)
         w.set_gauge("model_version", p.state.model_version)
         w.set_gauge("rollout/queue_size", p.rollout.queue_size())
         w.set_gauge("prompts_consumed", p.tracker.consumed_count)
-        if self.cfg.logging.log_completions:
-            self._log_completions(step)
 
     def _log_completions(self, step: StepBatch) -> None:
         tok = self.p.tokenizer
@@ -214,14 +233,9 @@ class Trainer:
         for s in step.samples[: self.cfg.logging.num_completions_to_print or len(step.samples)]:
             idx = np.nonzero(s.train_mask)[0]
             first = int(idx[0]) if idx.size else len(s)
-            shown.append(
-                {
-                    "prompt": tok.decode(s.input_ids[:first].tolist(), skip_special_tokens=True),
-                    "completion": tok.decode(s.input_ids[first:].tolist(), skip_special_tokens=True),
-                    "reward": s.reward,
-                    "advantage": s.advantage,
-                }
-            )
+            shown.append({"prompt": tok.decode(s.input_ids[:first].tolist(), skip_special_tokens=True),
+                          "completion": tok.decode(s.input_ids[first:].tolist(), skip_special_tokens=True),
+                          "reward": s.reward, "advantage": s.advantage})
         self.p.metrics_logger.log_completions(shown, step=self.p.state.step)
 
     def _flush_logs(self, force: bool = False) -> None:
@@ -239,16 +253,11 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
         p = self.p
-        path = save_checkpoint(
-            self.run_dir,
-            p.model,
-            p.tokenizer,
-            p.optimizer,
-            p.scheduler,
-            p.state,
-            p.tracker.state(),
-            self.cfg.trainer.save_total_limit,
-        )
+        rollout_state = p.tracker.state() if self.info.is_main else {}
+        path = save_checkpoint(self.run_dir, p.model, p.tokenizer, p.optimizer, p.scheduler, p.state,
+                               rollout_state, self.cfg.trainer.save_total_limit, self.info,
+                               save_hf_model=self.cfg.trainer.save_hf_model)
         self._last_save_step = p.state.step
-        logger.info("saved checkpoint %s", path)
+        if self.info.is_main:
+            logger.info("saved checkpoint %s", path)
         return path

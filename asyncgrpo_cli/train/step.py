@@ -1,0 +1,94 @@
+"""Forward+backward of one rank's rows for one optimizer step, with the exact token-mean normalization.
+
+Each micro-batch's loss is its summed per-token loss divided by ``num_trained`` (the trained tokens of the whole
+step, across micro-batches and ranks) and multiplied by the world size (FSDP2 averages gradients over ranks), so
+the accumulated gradient equals the full-batch token mean. A row with no trained token still runs forward and
+backward: its loss is connected to the graph with zero gradient, so every rank enters every collective.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from asyncgrpo_cli.model.logprobs import TokenStats, token_logprobs
+from asyncgrpo_cli.rollout.types import TrainingSequence
+
+
+@dataclass
+class StepResult:
+    loss: float = 0.0
+    raw_parts: list[dict] = field(default_factory=list)
+    forwarded: int = 0
+    unpacked: int = 0
+    fwd_s: float = 0.0
+    fwd_bwd_s: float = 0.0
+
+
+def forward_backward(model: Any, rows: list[list[TrainingSequence]], num_trained: int, packer: Any, loss_fn: Any,
+                     device: torch.device, temperature: float, world_size: int = 1) -> StepResult:
+    """Run every micro-batch row of this rank; gradients accumulate in the parameters."""
+    with_topk = bool(getattr(loss_fn, "needs_sampler_topk", False))
+    out = StepResult()
+    model.train()
+    for samples in rows:
+        row = packer.pack(samples).to(device)
+        t0 = time.monotonic()
+        stats = _through_root(model, row, temperature, with_topk)
+        loss, raw = loss_fn(stats, row, num_trained)
+        if world_size > 1:
+            loss = loss * world_size
+        t1 = time.monotonic()
+        loss.backward()
+        out.fwd_s += t1 - t0
+        out.fwd_bwd_s += time.monotonic() - t0
+        out.loss += float(loss.detach()) / world_size
+        out.raw_parts.append(raw)
+        out.forwarded += row.num_forwarded
+        out.unpacked += row.num_unpacked
+    return out
+
+
+def _through_root(model: Any, row: Any, temperature: float, with_topk: bool) -> TokenStats:
+    """Compute the head's statistics *inside* the root module's call.
+
+    The head runs the decoder body and the LM head itself (never the full-vocabulary forward). Under FSDP2 the
+    root module's hooks unshard the parameters it owns (embeddings, final norm, LM head) and schedule their
+    gradient reduction, so the computation is redirected through ``model(...)`` with a one-shot ``forward``.
+    """
+    own = model.__dict__.get("forward")  # an instance-level forward (e.g. a hook library) to put back
+
+    def restore() -> None:
+        if own is None:
+            model.__dict__.pop("forward", None)
+        else:
+            model.forward = own
+
+    def redirected(*_args: Any, **_kwargs: Any) -> tuple:
+        restore()
+        stats = token_logprobs(model, row, temperature, with_topk)
+        # FSDP2 hooks the root's outputs for backward; a view output would lose that hook on in-place use.
+        return tuple(t.clone() if t is not None and t._is_view() else t
+                     for t in (stats.logprobs, stats.entropy, stats.topk_logprobs))
+
+    model.forward = redirected
+    try:
+        logprobs, entropy, topk = model()
+    finally:
+        restore()
+    return TokenStats(logprobs=logprobs, entropy=entropy, topk_logprobs=topk)
+
+
+def clip_and_step(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, max_grad_norm: float) -> float:
+    """Clip (FSDP2-aware: DTensor norms reduce over ranks), step, zero; returns the pre-clip gradient norm."""
+    params = [q for q in model.parameters() if q.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)

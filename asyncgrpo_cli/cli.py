@@ -79,6 +79,7 @@ def _train(args: list[str]) -> None:
     precheck(args)
     register_schemas()
     _quiet_libraries()
+    args = _torchrun_run_dir(args)
     import hydra
 
     saved = sys.argv
@@ -99,6 +100,18 @@ class Terminated(BaseException):
 
 def _terminate(signum, frame) -> None:
     raise Terminated()
+
+
+def _torchrun_run_dir(args: list[str]) -> list[str]:
+    """Under torchrun every rank runs Hydra: give them one run dir (rank 0's is used in any case)."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or any(a.startswith("hydra.run.dir=") for a in args):
+        return args
+    if "-m" in args or "--multirun" in args:
+        raise UserError("Hydra multirun sweeps cannot run under torchrun: launch one torchrun per configuration.")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "dist")
+    return [*args, f"hydra.run.dir=outputs/${{now:%Y-%m-%d}}/torchrun-{run_id}"]
 
 
 def _quiet_libraries() -> None:
@@ -128,10 +141,16 @@ def _train_job(dcfg) -> None:
     log = logging.getLogger("asyncgrpo")
     for name in ("httpx", "httpcore"):
         logging.getLogger(name).setLevel(logging.WARNING)  # Hydra's logging setup resets levels
+    import os
+
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    if not main_rank:
+        logging.getLogger().setLevel(logging.WARNING)  # one rank speaks
     try:
         cfg = to_root_config(dcfg)
         run_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(dcfg, run_dir / "resolved.yaml", resolve=True)
+        if main_rank:
+            OmegaConf.save(dcfg, run_dir / "resolved.yaml", resolve=True)
         from asyncgrpo_cli.train.run import run_train
 
         state = run_train(cfg, run_dir)
@@ -188,16 +207,27 @@ def _check(args: list[str]) -> None:
 
 
 def _probe(cfg) -> None:
+    """Check the external server against the run's needs (``server/probe.py``); raises UserError with the fix."""
     from asyncgrpo_cli.server.control import ServerControl
+    from asyncgrpo_cli.server.probe import probe_server
 
     if cfg.server.backend == "embedded":
         print("--probe-server: the embedded server is started by train; nothing to probe")
         return
+    if cfg.server.backend == "vllm_launch":
+        from asyncgrpo_cli.server.vllm_launch import preview_command
+
+        print(f"--probe-server: train starts vLLM and probes it once up; the command:\n  {preview_command(cfg)}")
+        return
     control = ServerControl(cfg.server.base_url, cfg.server.timeout)
     try:
         control.wait_ready(cfg.server.startup_timeout)
-        info = control.info()
-        print(f"server {cfg.server.base_url}: model {info.model_id!r}, max_model_len {info.max_model_len}")
+        r = probe_server(control, cfg)
+        print(
+            f"server {cfg.server.base_url}: model {r.model_ids[0]!r}, max_model_len {r.max_model_len}, "
+            f"vLLM {r.version or '-'}, logprobs mode {r.logprobs_mode or '?'}, max_logprobs {r.max_logprobs}, "
+            f"worker extension {'yes' if r.has_extension else 'no'}: every capability the run needs is there"
+        )
     finally:
         control.close()
 
@@ -239,6 +269,7 @@ def _bench(args: list[str]) -> None:
     benches = {
         "trainer-overhead": "asyncgrpo_cli.bench.trainer_overhead:main",
         "embedded-server": "asyncgrpo_cli.bench.embedded_server:main",
+        "lm-head": "asyncgrpo_cli.bench.lm_head:main",
     }
     if not args or args[0] not in benches:
         raise UserError(f"asyncgrpo bench NAME [OVERRIDES]; benchmarks: {', '.join(benches)}")

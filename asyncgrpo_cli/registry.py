@@ -90,6 +90,12 @@ _BUILTINS: list[tuple[str, str, str, str]] = [
         "padding-free rows, exact per-sample attention isolation",
     ),
     (
+        "packer",
+        "tree",
+        "asyncgrpo_cli.packing.tree:TreePacker",
+        "per-group prefix tries: shared prefixes forwarded once, exact tree attention",
+    ),
+    (
         "server",
         "embedded",
         "asyncgrpo_cli.server.backends:EmbeddedBackend",
@@ -100,6 +106,12 @@ _BUILTINS: list[tuple[str, str, str, str]] = [
         "vllm",
         "asyncgrpo_cli.server.backends:ExternalBackend",
         "an external vLLM server at server.base_url",
+    ),
+    (
+        "server",
+        "vllm_launch",
+        "asyncgrpo_cli.server.vllm_launch:VllmLaunchBackend",
+        "vllm serve started by train with the required flags (server.vllm_launch), stopped on exit",
     ),
     (
         "weight_sync",

@@ -64,22 +64,83 @@ class EmbeddedServerConfig:
 
 
 @dataclass
+class VllmLaunchConfig:
+    python: str | None = F(
+        None,
+        "Python of the vLLM venv; train runs its vLLM server module. None: $VLLM_PYTHON when set, else the "
+        "`vllm` command on PATH.",
+    )
+    host: str = F("127.0.0.1", "Interface the vLLM server binds; loopback by default.")
+    port: int = F(0, "Port of the vLLM server; 0 picks a free port.")
+    gpus: list[int] = F(
+        help="GPU ids the server uses (CUDA_VISIBLE_DEVICES), tensor-parallel over all of them; []: the CPU "
+        "build, or vLLM's default device.",
+        factory=list,
+    )
+    max_model_len: int = F(2048, "--max-model-len: the longest prompt + completion the server accepts.")
+    dtype: str = F("float32", "--dtype of the served weights; match model.dtype to keep log-probs comparable.")
+    max_logprobs: int = F(
+        20, "--max-logprobs: top log-probs a request may ask for; >= sampling.num_sampler_logprobs (-1: no cap)."
+    )
+    enforce_eager: bool = F(
+        False, "--enforce-eager: no CUDA graphs or compilation (faster start, slower decode)."
+    )
+    weight_transfer_backend: str | None = F(
+        "nccl",
+        "--weight-transfer-config backend on GPU builds; never passed to a CPU build (NCCL cannot run there); "
+        "null omits the flag.",
+    )
+    extra_args: list[str] = F(
+        help="More vllm serve flags, appended last, e.g. [--gpu-memory-utilization, '0.5'].", factory=list
+    )
+    env: dict[str, str] = F(
+        help="Extra environment of the server process, e.g. {VLLM_CPU_KVCACHE_SPACE: '2'} (GiB of KV cache "
+        "on CPU).",
+        factory=dict,
+    )
+    stop_timeout: float = F(30.0, "Seconds to wait after SIGTERM before the server's process group is killed.")
+
+
+@dataclass
 class ServerConfig:
-    backend: str = F("embedded", "Generation server backend: embedded (started by train) or vllm (a URL).")
+    backend: str = F(
+        "embedded",
+        "Generation server backend: embedded (started by train), vllm (a URL) or vllm_launch (train starts "
+        "vllm serve with the required flags).",
+    )
     base_url: str = F("http://localhost:8000", "Base URL of an external server (backend=vllm).")
     timeout: float = F(
-        1800.0, "Seconds for each generation request and each weight-sync call (vllm_server_timeout)."
+        1800.0,
+        "Seconds for each generation request and each weight-sync call (vllm_server_timeout); also how long "
+        "generation waits for a server that stopped answering (restart) before the run stops.",
     )
     startup_timeout: float = F(
         300.0, "Seconds to wait for the server to become ready before failing with a clear error."
     )
-    max_retries: int = F(5, "Retries of a failed generation request (with backoff) before the run stops.")
+    max_retries: int = F(
+        5,
+        "Retries (with backoff) of a generation request that timed out or got a 5xx before the run stops; "
+        "connection failures are retried until server.timeout instead.",
+    )
     weight_sync: str = F("disk", "Weight-sync backend: disk (safetensors + reload_weights).")
     weight_sync_dir: str | None = F(
         None,
         "Directory the server can read for disk sync; default RUN_DIR/weights (must be shared with the server).",
     )
+    verify_sync: bool = F(
+        True,
+        "After each weight sync, score a fixed probe with the server and the trainer; fail when the mean "
+        "log-prob gap exceeds server.verify_sync_tolerance (the sync did not take). Logged as sync/logprob_gap.",
+    )
+    verify_sync_tolerance: float | None = F(
+        None,
+        "Mean |log-prob gap| in nats that verify_sync allows; None: by the coarser of the trainer's and the "
+        "server's dtype (float32 1e-3, float16 2e-2, bfloat16 5e-2).",
+    )
     embedded: EmbeddedServerConfig = F(help="Settings of the embedded server.", factory=EmbeddedServerConfig)
+    vllm_launch: VllmLaunchConfig = F(
+        help="Settings of the vLLM server that train starts (backend=vllm_launch).", factory=VllmLaunchConfig
+    )
 
 
 @dataclass
@@ -98,14 +159,20 @@ class SamplingConfig:
         "Top log-probs requested per generated token (score centering); capped by the server's --max-logprobs.",
     )
     seed_per_request: bool = F(
-        True, "Send a unique sampling seed with every request (data-parallel engines)."
+        True,
+        "Send a unique sampling seed with every request (data-parallel engines). Set false for vLLM's CPU "
+        "build: seeded requests under concurrency kill its engine (the startup probe refuses the combination).",
     )
     seed: int = F(0, "Base of the per-request seeds.")
 
 
 @dataclass
 class PackingConfig:
-    kind: str = F("sequence", "Packer: sequence (padding-free rows with per-sample attention isolation).")
+    kind: str = F(
+        "sequence",
+        "Packer: sequence (padding-free rows with per-sample attention isolation) or tree (per-group prefix "
+        "tries: each shared prefix forwarded once, exact tree attention).",
+    )
     token_budget: int | None = F(
         None, "Max forwarded tokens in one row (one rank's micro-batch); None: the server's max_model_len."
     )
@@ -144,6 +211,16 @@ class RolloutConfig:
         help="Extra settings for a custom rollout loop (its hooks read self.options).", factory=dict
     )
     max_concurrent_rollouts: int = F(512, "Hard cap on rollouts in flight.")
+    adaptive_concurrency: bool = F(
+        True,
+        "Follow the server's KV-cache load (reference h.2): start at KV-cache tokens / max_model_len rollouts, "
+        "+25% while usage < 60% and nothing waits (once per cap-many finished rollouts), -30% above 80%; never "
+        "above max_concurrent_rollouts, which is the cap when off or when the server has no /metrics.",
+    )
+    metrics_poll_interval_s: float = F(
+        5.0,
+        "Seconds between polls of the server's /metrics (adaptive cap and the rollout/vllm_* metrics); > 0.",
+    )
     max_staleness: int = F(
         4,
         "Max weight updates a sample may lag; generation is also held to max(max_staleness,1) steps of tokens.",
@@ -178,6 +255,12 @@ class TrainerConfig:
         None, "Resume from a checkpoint: 'auto' (latest in the run dir) or a checkpoint path."
     )
     seed: int = F(42, "Seed for the trainer (init, data order).")
+    save_hf_model: bool = F(True, "Also write the policy as an HF model directory (checkpoint/model) in checkpoints.")
+    mixed_precision: str | None = F(
+        None, "FSDP2 compute dtype (bfloat16 or float16) over fp32 master weights; null: compute in model.dtype."
+    )
+    cpu_offload: bool = F(False, "FSDP2: keep sharded parameters, gradients and optimizer state in CPU memory.")
+    dist_timeout: float = F(1800.0, "Seconds a collective may wait for the other ranks before failing.")
     device: str = F("auto", "Training device: auto, cpu or cuda.")
     num_threads: int | None = F(None, "torch threads of the trainer on CPU; None: torch's default.")
 

@@ -2,21 +2,34 @@
 
 Every request carries token ids, asks for the sampled token's log-prob plus the top-N (``logprobs: N``), with
 ``return_token_ids`` and ``return_tokens_as_token_ids`` so nothing is ever re-tokenized and top-logprob keys are
-token ids (decoded-string keys collide for partial UTF-8 bytes). Transient failures (connection errors,
-timeouts, 5xx, 503 while paused) are retried with bounded exponential backoff; a 4xx is the user's configuration
-and stops the run with the server's message.
+token ids (decoded-string keys collide for partial UTF-8 bytes).
+
+Failures, with exponential backoff capped at 16 s, every re-send counted in ``retry_count``
+(``rollout/vllm_retry_count``):
+
+- connection failures (refused, dropped, reset) mean the server may be down: they are retried until the time
+  budget ``retry_budget_s`` (``server.timeout``) has passed since the first one, so a server that is restarted
+  within it costs a pause, not the run. With a ``ServerLink`` the failure also marks the server lost, and every
+  request (first send or retry) waits until the link is healthy again, i.e. until the trainer has pushed the
+  weights to a restarted server (``asyncgrpo_cli.rollout.resync``);
+- timeouts, 5xx, 408 and 429 (a live but struggling server) are retried ``max_retries`` times;
+- any other 4xx is the user's configuration and stops the run with the server's message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from asyncgrpo_cli.rollout.resync import ServerLink
 from asyncgrpo_cli.rollout.types import TurnRecord
+
+MAX_BACKOFF_S = 16.0
 
 
 class ServerRequestError(RuntimeError):
@@ -97,12 +110,26 @@ def parse_choice(prompt_ids: list[int], choice: dict[str, Any], want_topk: bool)
 class CompletionClient:
     """One pooled ``httpx.AsyncClient``; create it inside the rollout loop's event loop (``setup``)."""
 
-    def __init__(self, base_url: str, model: str, timeout: float, max_retries: int, max_connections: int):
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        timeout: float,
+        max_retries: int,
+        max_connections: int,
+        retry_budget_s: float | None = None,
+        link: ServerLink | None = None,
+    ):
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.timeout = timeout
         self.max_retries = max_retries
+        self.retry_budget_s = timeout if retry_budget_s is None else retry_budget_s
+        """Seconds a request keeps retrying connection failures (and waiting for a lost server) before failing."""
+        self.link = link
         self.retry_count = 0
+        self.lost_count = 0
+        """Connection failures that discovered a server loss (the link was healthy before)."""
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout, connect=min(timeout, 30.0)),
@@ -121,12 +148,22 @@ class CompletionClient:
         return parse_choice(prompt_ids, choices[0], want_topk=params.num_logprobs > 0)
 
     async def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        attempt = 0
+        attempts = 0  # failures of a live server (timeouts, 5xx): bounded by max_retries
+        conn_failures = 0  # connection failures: bounded by the time budget
+        deadline = time.monotonic() + self.retry_budget_s
         while True:
+            await self._wait_for_server(path, deadline)
             try:
                 resp = await self._client.post(path, json=payload)
-            except (httpx.TransportError, asyncio.TimeoutError) as e:
-                err = f"{type(e).__name__}: {e}"
+            except httpx.TimeoutException as e:
+                if isinstance(e, httpx.ConnectTimeout):
+                    err, connection = f"{type(e).__name__}: {e}", True
+                else:
+                    err, connection = f"{type(e).__name__}: {e}", False
+            except httpx.TransportError as e:  # refused, reset, dropped mid-response
+                err, connection = f"{type(e).__name__}: {e}", True
+            except asyncio.TimeoutError as e:
+                err, connection = f"{type(e).__name__}: {e}", False
             else:
                 if resp.status_code == 200:
                     return resp.json()
@@ -135,15 +172,53 @@ class CompletionClient:
                         f"{self.base_url}{path} rejected the request (HTTP {resp.status_code}): "
                         f"{_error_message(resp)}"
                     )
-                err = f"HTTP {resp.status_code}: {_error_message(resp)}"
-            attempt += 1
-            if attempt > self.max_retries:
-                raise ServerRequestError(
-                    f"{self.base_url}{path} failed {attempt} times (last: {err}); check the server, or raise "
-                    "server.max_retries / server.timeout."
-                )
+                err, connection = f"HTTP {resp.status_code}: {_error_message(resp)}", False
+            if connection:
+                conn_failures += 1
+                if conn_failures == 1:  # the budget runs from the first connection failure
+                    deadline = time.monotonic() + self.retry_budget_s
+                if self.link is not None and self.link.mark_lost():
+                    self.lost_count += 1
+                if time.monotonic() >= deadline:
+                    raise ServerRequestError(
+                        f"{self.base_url}{path} could not be reached for {self.retry_budget_s:g}s "
+                        f"({conn_failures} attempts, last: {err}); check the server, or raise server.timeout."
+                    )
+                delay = backoff_s(conn_failures)
+            else:
+                attempts += 1
+                if attempts > self.max_retries:
+                    raise ServerRequestError(
+                        f"{self.base_url}{path} failed {attempts} times (last: {err}); check the server, or "
+                        "raise server.max_retries / server.timeout."
+                    )
+                delay = backoff_s(attempts)
             self.retry_count += 1
-            await asyncio.sleep(min(2.0 ** min(attempt - 1, 4), 16.0) * (0.5 + random.random() / 2))
+            await self._sleep(delay, deadline)
+
+    async def _wait_for_server(self, path: str, deadline: float) -> None:
+        """Hold while the server is lost or waits for a weight resync (bounded by the retry budget)."""
+        if self.link is None or self.link.healthy:
+            return
+        if not await self.link.wait_healthy(max(deadline, time.monotonic() + 1.0)):
+            raise ServerRequestError(
+                f"{self.base_url}{path}: the server was lost and did not come back with the trained weights "
+                f"within {self.retry_budget_s:g}s (server.timeout); check the server."
+            )
+
+    async def _sleep(self, delay: float, deadline: float) -> None:
+        """Back off; with a link, stop early once a lost server is back and resynced (it is then healthy)."""
+        end = time.monotonic() + min(delay, max(0.0, deadline - time.monotonic()))
+        was_healthy = self.link is None or self.link.healthy
+        while (left := end - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, 0.1))
+            if not was_healthy and self.link is not None and self.link.healthy:
+                return
+
+
+def backoff_s(attempt: int) -> float:
+    """Exponential backoff with jitter: about 1, 2, 4, 8, 16, 16, ... seconds (times 0.5-1)."""
+    return min(2.0 ** min(attempt - 1, 4), MAX_BACKOFF_S) * (0.5 + random.random() / 2)
 
 
 def _error_message(resp: httpx.Response) -> str:

@@ -6,6 +6,11 @@ score queue, is scored (sum of reward sources), ``compute_advantages`` runs, zer
 rest become samples on the rollout queue. ``setup`` / ``close`` create and release resources on the loop's event
 loop (``close`` also runs on failure).
 
+A group starts only while (1) the token allowance permits (staleness), (2) the rollouts in flight stay within
+``min(adaptive cap, max_concurrent_rollouts)`` (``rollout.concurrency``: the cap follows the server's KV-cache
+load, polled from ``/metrics``), and (3) the server link is healthy: after a connection failure nothing starts
+until the server answers again, with the trained weights pushed again if it restarted (``rollout.resync``).
+
 Subclass it and select it with ``rollout.loop=my_module:MyLoop``; ``rollout.loop_options`` reaches the hooks as
 ``self.options``. Subclasses must be importable at module level (the process is spawned).
 """
@@ -26,6 +31,8 @@ from asyncgrpo_cli.config.schema import RolloutConfig, SamplingConfig
 from asyncgrpo_cli.data.sources import PromptOrder
 from asyncgrpo_cli.metrics.reducer import MetricWindow
 from asyncgrpo_cli.rollout.client import CompletionClient, SamplingParams
+from asyncgrpo_cli.rollout.concurrency import ConcurrencyController, MetricsPoller
+from asyncgrpo_cli.rollout.resync import ServerLink, ServerWatch
 from asyncgrpo_cli.rollout.scoring import (
     RewardFunction,
     call_reward_funcs,
@@ -95,6 +102,15 @@ class AsyncRolloutLoop:
         self._next_group_id = 0
         self._generated_tokens = 0
         self._last_report = time.monotonic()
+        self.concurrency = ConcurrencyController(
+            settings.rollout.max_concurrent_rollouts, adaptive=settings.rollout.adaptive_concurrency
+        )
+        if not settings.rollout.metrics_poll_interval_s > 0:
+            raise ValueError(
+                f"rollout.metrics_poll_interval_s must be > 0, got {settings.rollout.metrics_poll_interval_s}"
+            )
+        link = getattr(shared, "server_link", None)
+        self.link = ServerLink(link) if link is not None else ServerLink()
         self.client: CompletionClient | None = None
         self.score_queue: asyncio.Queue[RolloutGroup] | None = None
 
@@ -154,7 +170,6 @@ class AsyncRolloutLoop:
 
     # ------------------------------------------------------------------ main loop
     async def run(self) -> None:
-        hb = asyncio.create_task(self._heartbeat())
         self.score_queue = asyncio.Queue(maxsize=self.settings.rollout.score_queue_maxsize)
         self.client = CompletionClient(
             self.settings.base_url,
@@ -162,9 +177,22 @@ class AsyncRolloutLoop:
             self.settings.server_timeout,
             self.settings.max_retries,
             max_connections=self.settings.rollout.max_concurrent_rollouts,
+            retry_budget_s=self.settings.server_timeout,
+            link=self.link,
         )
+        poller = MetricsPoller(
+            self.settings.base_url,
+            self.concurrency,
+            self.metrics,
+            self.settings.max_model_len,
+            interval_s=self.settings.rollout.metrics_poll_interval_s,
+        )
+        watch = ServerWatch(self.link, self.settings.base_url)
+        hb = asyncio.create_task(self._heartbeat())
+        watcher = asyncio.create_task(watch.run())
         scorer: asyncio.Task | None = None
         try:
+            await poller.start()
             await self.setup()
             scorer = asyncio.create_task(self._score_loop())
             num = await self._generate_loop(scorer)
@@ -172,13 +200,15 @@ class AsyncRolloutLoop:
             if not self._stopping():
                 self.shared.rollout_buffer.put(RolloutDone(num_prompts=num))
         finally:
-            for task in (scorer, hb):
+            for task in (scorer, hb, watcher):
                 if task is not None:
                     task.cancel()
             self._report(force=True)
             try:
                 await self.close()
             finally:
+                await poller.close()
+                await watch.close()
                 await self.client.close()
                 self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -206,11 +236,11 @@ class AsyncRolloutLoop:
         groups: set[asyncio.Task] = set()
         consumed = 0
         accepted_in_epoch: dict[int, int] = {}
-        cap = self.settings.rollout.max_concurrent_rollouts
         G = self.settings.sampling.num_generations
         pending = None
         stream = self._prompt_stream()
         held_since: float | None = None
+        server_held_since: float | None = None
         while not self._stopping():
             if scorer.done():
                 scorer.result()  # re-raise a scoring failure here
@@ -228,11 +258,17 @@ class AsyncRolloutLoop:
                     pending = None
                     continue
                 accepted_in_epoch[epoch] = accepted_in_epoch.get(epoch, 0) + 1
-            slots_ok = self._in_flight == 0 or self._in_flight + G <= cap
+            server_ok = self.link.healthy
+            if server_ok and server_held_since is not None:
+                self.metrics.add("rollout/server_wait_s", time.monotonic() - server_held_since)
+                server_held_since = None
+            elif not server_ok and server_held_since is None:
+                server_held_since = time.monotonic()
+            slots_ok = self._in_flight == 0 or self._in_flight + G <= self.concurrency.cap
             allowed = self.allowance.can_start(
                 self.shared.token_allowance.value, self.shared.consumed_tokens.value, G
             )
-            if slots_ok and allowed:
+            if server_ok and slots_ok and allowed:
                 if held_since is not None:
                     self.metrics.add("rollout/backpressure_s", time.monotonic() - held_since)
                     held_since = None
@@ -246,7 +282,7 @@ class AsyncRolloutLoop:
                 consumed += 1
                 pending = None
                 continue
-            if slots_ok and not allowed and held_since is None:
+            if server_ok and slots_ok and not allowed and held_since is None:
                 held_since = time.monotonic()
             done, groups = await _wait_some(groups, timeout=0.05)
             for task in done:
@@ -315,6 +351,7 @@ class AsyncRolloutLoop:
         t0 = time.monotonic()
         rollout = await self.generate_one(prompt, [], group_id)
         self.metrics.add("rollout/duration_s", time.monotonic() - t0)
+        self.concurrency.on_rollout_finished()
         return rollout
 
     async def _join_scorer(self, scorer: asyncio.Task) -> None:
@@ -424,12 +461,15 @@ class AsyncRolloutLoop:
         m.add_rate("rollout/generated_tokens_per_s", self._generated_tokens, elapsed)
         self._generated_tokens = 0
         m.set_gauge("rollout/concurrency", self._in_flight)
-        m.set_gauge("rollout/concurrency_cap", self.settings.rollout.max_concurrent_rollouts)
+        m.set_gauge("rollout/concurrency_cap", self.concurrency.cap)
         if self.score_queue is not None:
             m.set_gauge("rollout/score_queue_size", self.score_queue.qsize())
         if self.client is not None and self.client.retry_count:
             m.add("rollout/vllm_retry_count", self.client.retry_count)
             self.client.retry_count = 0
+        if self.client is not None and self.client.lost_count:
+            m.add("rollout/server_lost_count", self.client.lost_count)
+            self.client.lost_count = 0
         payload = m.take_payload()
         try:
             self.shared.metrics_queue.put_nowait(payload)

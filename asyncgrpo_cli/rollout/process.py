@@ -2,8 +2,9 @@
 
 The trainer talks to it through shared state only: the rollout queue (samples and markers), the model version,
 the token allowance, a consumed-tokens counter, a wall-clock heartbeat, a failure event with the remote traceback,
-a stop event, and a metrics queue. Every wait on the trainer side has a timeout: a crash in the rollout process
-stops training with that traceback, and a hung process (no heartbeat for ``rollout_worker_timeout``) too.
+a stop event, a metrics queue, and the server link (``rollout.resync``: server lost, weights to push again).
+Every wait on the trainer side has a timeout: a crash in the rollout process stops training with that traceback,
+and a hung process (no heartbeat for ``rollout_worker_timeout``) too.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncgrpo_cli.errors import RolloutWorkerError, UserError
+from asyncgrpo_cli.rollout.resync import ServerLink, new_link_array
 
 # Environment variables that must not leak into the rollout process (it has no GPU and is not a torch rank).
 _STRIP_ENV = (
@@ -49,6 +51,7 @@ class SharedState:
     failed_event: Any
     stop_event: Any
     ready_event: Any
+    server_link: Any
 
     @classmethod
     def create(cls, ctx: Any) -> SharedState:
@@ -63,6 +66,7 @@ class SharedState:
             failed_event=ctx.Event(),
             stop_event=ctx.Event(),
             ready_event=ctx.Event(),
+            server_link=new_link_array(ctx),
         )
 
 
@@ -164,7 +168,10 @@ class RolloutProcess:
         self.start_timeout = start_timeout
         self.ctx = mp.get_context("spawn")
         self.shared = SharedState.create(self.ctx)
+        self.server_link = ServerLink(self.shared.server_link)
         self.process: Any = None
+        self.on_idle: Any = None
+        """Called (no arguments) while ``get`` waits on an empty queue: the trainer resyncs weights from here."""
 
     def start(self) -> None:
         try:
@@ -214,6 +221,8 @@ class RolloutProcess:
                 return self.shared.rollout_buffer.get(timeout=wait)
             except queue.Empty:
                 self.check_health()
+                if self.on_idle is not None:
+                    self.on_idle()
                 if time.monotonic() >= deadline:
                     return None
 

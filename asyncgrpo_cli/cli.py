@@ -21,7 +21,8 @@ verbs:
   check     compose and validate the config, print the plan; starts nothing. `--explain GROUP` documents a group.
   serve     run the embedded generation server on the configured model (vLLM-compatible API subset).
   plugins   list the registered plugins (rewards, losses, packers, servers, weight sync, rollout loops, ...).
-  bench     benchmarks: `asyncgrpo bench trainer-overhead [OVERRIDES]`, `asyncgrpo bench embedded-server`.
+  bench     benchmarks: `asyncgrpo bench trainer-overhead [OVERRIDES]`, `asyncgrpo bench embedded-server`,
+            `asyncgrpo bench trainer [KEY=VALUE]` (tokens/s, MFU, memory; torchrun for several GPUs).
 
 examples:
   asyncgrpo train
@@ -270,6 +271,9 @@ def _bench(args: list[str]) -> None:
         "trainer-overhead": "asyncgrpo_cli.bench.trainer_overhead:main",
         "embedded-server": "asyncgrpo_cli.bench.embedded_server:main",
         "lm-head": "asyncgrpo_cli.bench.lm_head:main",
+        "packing": "asyncgrpo_cli.bench.packing:main",
+        "trainer": "asyncgrpo_cli.bench.trainer:main",
+        "weight-sync": "asyncgrpo_cli.bench.weight_sync:main",
     }
     if not args or args[0] not in benches:
         raise UserError(f"asyncgrpo bench NAME [OVERRIDES]; benchmarks: {', '.join(benches)}")

@@ -120,6 +120,18 @@ _BUILTINS: list[tuple[str, str, str, str]] = [
         "safetensors to a shared directory, then pause / reload_weights / reset_prefix_cache / resume",
     ),
     (
+        "weight_sync",
+        "lora",
+        "asyncgrpo_cli.sync.lora:LoraWeightSync",
+        "the LoRA adapter under a new name per version (load_lora_adapter); merged weights when not servable",
+    ),
+    (
+        "weight_sync",
+        "nccl",
+        "asyncgrpo_cli.sync.nccl:NcclWeightSync",
+        "GPU to GPU NCCL broadcast from the trainer (vLLM's native weight transfer, packed); server.nccl",
+    ),
+    (
         "rollout_loop",
         "default",
         "asyncgrpo_cli.rollout.loop:AsyncRolloutLoop",

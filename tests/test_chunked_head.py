@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from asyncgrpo_cli.bench import lm_head as bench
 from asyncgrpo_cli.config.schema import PackingConfig
-from asyncgrpo_cli.model import logprobs as logprobs_mod
+from asyncgrpo_cli.model import chunked_head as chunked_head_mod
 from asyncgrpo_cli.model.chunked_head import (
     LogitTransform,
     chunked_token_stats,
@@ -84,7 +84,7 @@ def reference(h, w, b, targets, cands, support, transform):
 
 def objective(lps: torch.Tensor, cand: torch.Tensor | None) -> torch.Tensor:
     """A fixed scalar of every output, so gradients flow through target and candidate log-probs."""
-    w = torch.linspace(-1, 1, lps.shape[0], dtype=lps.dtype)
+    w = torch.linspace(-1, 1, lps.shape[0], dtype=lps.dtype, device=lps.device)
     out = (w * lps).sum()
     if cand is not None:
         out = out + torch.where(cand.isfinite(), cand.exp(), 0.0).sum()
@@ -404,8 +404,8 @@ def test_token_logprobs_end_to_end(model_name, gc, with_support, request, monkey
     gradient checkpointing and candidate sets."""
     model = request.getfixturevalue(model_name)
     assert model.config.tie_word_embeddings == (model_name == "qwen3")
-    monkeypatch.setattr(logprobs_mod, "CHUNK", 5)
-    monkeypatch.setattr(logprobs_mod, "VOCAB_CHUNK", 97)
+    monkeypatch.setattr(chunked_head_mod, "POSITION_CHUNK", 5)
+    monkeypatch.setattr(chunked_head_mod, "VOCAB_CHUNK", 97)
     model.train()
     if gc:
         model.activation_checkpointing_enable()

@@ -31,7 +31,7 @@ def make_row(slp, adv, sample_index, topk_ids=None, topk_lps=None, num_samples=N
     return PackedRow(
         input_ids=torch.zeros(1, 1, dtype=torch.long),
         position_ids=torch.zeros(1, 1, dtype=torch.long),
-        attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool),
+        leave=torch.ones(1, dtype=torch.long),
         pred_index=torch.zeros(n, dtype=torch.long),
         target_ids=torch.zeros(n, dtype=torch.long),
         sampler_logprobs=torch.as_tensor(slp, dtype=torch.float32),

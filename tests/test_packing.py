@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from asyncgrpo_cli.config.schema import PackingConfig
-from asyncgrpo_cli.model import logprobs as logprobs_mod
+from asyncgrpo_cli.model import chunked_head as chunked_head_mod
 from asyncgrpo_cli.model.logprobs import token_logprobs
 from asyncgrpo_cli.packing.planner import context_only
 from asyncgrpo_cli.packing.row import PackedRow
@@ -283,7 +283,7 @@ def test_chunked_head_matches(qwen3, monkeypatch):
     full = token_logprobs(qwen3, row, 1.0, with_topk=True)
     objective(full.logprobs, full.topk_logprobs).backward()
     ref_grads = grads(qwen3)
-    monkeypatch.setattr(logprobs_mod, "CHUNK", 3)
+    monkeypatch.setattr(chunked_head_mod, "POSITION_CHUNK", 3)
     chunked = token_logprobs(qwen3, row, 1.0, with_topk=True)
     torch.testing.assert_close(chunked.logprobs, full.logprobs)
     objective(chunked.logprobs, chunked.topk_logprobs).backward()
@@ -336,5 +336,5 @@ def test_transformers_mask_semantics(qwen3):
 def test_rejects_flash_attention(qwen3, monkeypatch):
     row = pack(random_samples(qwen3.config.vocab_size))
     monkeypatch.setattr(qwen3.config, "_attn_implementation", "flash_attention_2")
-    with pytest.raises(ValueError, match="use sdpa or eager"):
+    with pytest.raises(ValueError, match="use auto, sdpa, eager or flex_attention"):
         token_logprobs(qwen3, row, 1.0, with_topk=False)

@@ -63,7 +63,7 @@ def test_probe_accepts_the_embedded_server(embedded):
     assert report.model_ids == [NAME]
     assert report.logprobs_mode == "processed_logprobs"
     assert report.max_model_len == 256 and report.max_logprobs == 20
-    assert report.dtype == "float32" and report.device is None and not report.has_extension
+    assert report.dtype == "float32" and report.device == "cpu" and not report.has_extension
     assert report.version is None  # the embedded server has no /version
 
 

@@ -201,8 +201,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--topk", type=int, default=8, help="sampler top-k ids per position (0: none)")
-    parser.add_argument("--vocab-chunk", type=int, default=chunked_head.VOCAB_CHUNK)
-    parser.add_argument("--position-chunk", type=int, default=chunked_head.POSITION_CHUNK)
+    parser.add_argument("--vocab-chunk", type=int, default=None, help="default: chunked_head.tile_shape")
+    parser.add_argument("--position-chunk", type=int, default=None, help="default: chunked_head.tile_shape")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args(argv)
     if args.threads:
@@ -212,6 +212,9 @@ def main(argv: list[str]) -> None:
         raise SystemExit("--device cuda: no CUDA device is available")
     device = torch.device("cuda" if use_cuda else "cpu")
     shapes = [parse_shape(s) for s in (args.shapes or (CUDA_SHAPES if use_cuda else CPU_SHAPES))]
+    default_positions, default_vocab = chunked_head.tile_shape(device)
+    args.position_chunk = args.position_chunk or default_positions
+    args.vocab_chunk = args.vocab_chunk or default_vocab
 
     where = (
         torch.cuda.get_device_name(device) if use_cuda else f"CPU, {torch.get_num_threads()} torch threads"

@@ -9,6 +9,7 @@ from typing import Any
 
 from asyncgrpo_cli.config import schema
 from asyncgrpo_cli.config.schema import RootConfig
+from asyncgrpo_cli.sync import lora_policy
 
 
 def plan_lines(cfg: RootConfig) -> list[tuple[str, str]]:
@@ -43,6 +44,7 @@ def plan_lines(cfg: RootConfig) -> list[tuple[str, str]]:
         ),
         ("server", where),
         ("weight sync", f"{sv.weight_sync} every {ro.weight_sync_steps} step(s); one push before generation"),
+        *([("lora", lora_line)] if (lora_line := lora_policy.plan_line(cfg)) else []),
         (
             "world size",
             f"{world} trainer process(es); {rows} row(s) per optimizer step "
@@ -58,7 +60,13 @@ def plan_lines(cfg: RootConfig) -> list[tuple[str, str]]:
         (
             "generation",
             f"G={s.num_generations} per prompt, up to {s.max_completion_length} tokens, T={s.temperature:g}"
-            f", top_p={s.top_p:g}, top_k={s.top_k}, min_p={s.min_p:g}",
+            f", top_p={s.top_p:g}, top_k={s.top_k}, min_p={s.min_p:g}"
+            + (
+                f"; the trainer renormalizes over each token's candidate set where the server returns it "
+                f"(sampling_mask={s.sampling_mask}, at most {s.max_mask_candidates} ids per token)"
+                if s.truncates and s.sampling_mask != "off"
+                else ""
+            ),
         ),
         ("rewards", ", ".join(str(f) for f in cfg.rewards.funcs) + " (summed, weight 1)"),
         (

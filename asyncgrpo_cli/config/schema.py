@@ -19,6 +19,34 @@ def F(default: Any = None, help: str = "", *, factory: Any = None) -> Any:  # no
 
 
 @dataclass
+class LoraConfig:
+    enabled: bool = F(
+        False,
+        "Train a PEFT LoRA adapter instead of the full model (only adapter parameters reach the optimizer). "
+        "server.weight_sync=lora pushes the adapter; server.weight_sync=disk pushes merged full weights.",
+    )
+    r: int = F(16, "Adapter rank; vLLM serves it under --max-lora-rank (1, 8, 16, 32, 64, 128, 256, 320, 512).")
+    alpha: float = F(32.0, "lora_alpha: the adapter's output is scaled by alpha / r.")
+    dropout: float = F(0.0, "lora_dropout on the adapter's input while training (none at inference).")
+    target_modules: list[str] = F(
+        help="Module names (suffixes) that get an adapter, or [all-linear] (every linear layer but the LM head). "
+        "lm_head and embed_tokens cannot be targeted: the chunked LM head reads the base weight.",
+        factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
+    use_rslora: bool = F(False, "Rank-stabilized scaling alpha / sqrt(r) instead of alpha / r.")
+    use_dora: bool = F(
+        False, "DoRA (weight-decomposed LoRA). Not servable as an adapter: merged weights are pushed instead."
+    )
+    bias: str = F(
+        "none", "Train biases too: none, all or lora_only. Only none is servable as an adapter (else merged)."
+    )
+    modules_to_save: list[str] = F(
+        help="Modules trained in full next to the adapter. Not servable as an adapter: merged weights are pushed.",
+        factory=list,
+    )
+
+
+@dataclass
 class ModelConfig:
     name_or_path: str = F(
         "builtin:smollm2-135m-instruct",
@@ -33,13 +61,18 @@ class ModelConfig:
         "small; serve the model at the same dtype.",
     )
     gradient_checkpointing: bool = F(True, "Recompute activations in backward to save memory.")
-    attn_implementation: str = F("sdpa", "Attention implementation for training (sdpa; flex later).")
+    attn_implementation: str = F(
+        "auto",
+        "Attention for training: auto (flex_attention on CUDA, sdpa elsewhere), sdpa, eager, or flex_attention "
+        "(compiled, block-sparse packed-row masks; CUDA only).",
+    )
     served_model_name: str | None = F(
         None, "Model name on the generation server; default: what the server lists first in /v1/models."
     )
     chat_template_kwargs: dict[str, Any] = F(
         help="Extra kwargs for apply_chat_template (e.g. {enable_thinking: false}).", factory=dict
     )
+    lora: LoraConfig = F(help="LoRA adapter training (PEFT).", factory=LoraConfig)
 
 
 @dataclass
@@ -60,6 +93,16 @@ class EmbeddedServerConfig:
     )
     prefix_cache_size: int = F(
         64, "Prompts whose KV the server keeps for reuse (0 disables the prefix cache)."
+    )
+    device: str = F(
+        "cpu",
+        "Device the embedded server runs on: cpu, or cuda:N (needed for server.weight_sync=nccl; use another GPU "
+        "than the trainer's).",
+    )
+    enable_lora: bool | None = F(
+        None,
+        "Serve LoRA adapters loaded at runtime (/v1/load_lora_adapter, like vLLM's --enable-lora); None: on when "
+        "server.weight_sync=lora.",
     )
 
 
@@ -90,6 +133,16 @@ class VllmLaunchConfig:
         "--weight-transfer-config backend on GPU builds; never passed to a CPU build (NCCL cannot run there); "
         "null omits the flag.",
     )
+    max_lora_rank: int | None = F(
+        None,
+        "--max-lora-rank, passed with --enable-lora when server.weight_sync=lora; None: model.lora.r rounded up "
+        "to a rank vLLM accepts (1, 8, 16, 32, 64, 128, 256, 320, 512).",
+    )
+    max_loras: int | None = F(
+        None,
+        "--max-loras (adapters in one batch) when server.weight_sync=lora; None: rollout.max_staleness + 2, the "
+        "adapter versions kept loaded.",
+    )
     extra_args: list[str] = F(
         help="More vllm serve flags, appended last, e.g. [--gpu-memory-utilization, '0.5'].", factory=list
     )
@@ -99,6 +152,32 @@ class VllmLaunchConfig:
         factory=dict,
     )
     stop_timeout: float = F(30.0, "Seconds to wait after SIGTERM before the server's process group is killed.")
+
+
+@dataclass
+class NcclSyncConfig:
+    packed: bool = F(
+        True,
+        "Pack consecutive tensors into uint8 buffers, one broadcast per buffer (vLLM's packed mode); false: one "
+        "broadcast per tensor.",
+    )
+    buffer_size_bytes: int = F(
+        256 * 1024 * 1024,
+        "Packed mode: a buffer is sent once it holds more than this many bytes (vLLM's packed_buffer_size_bytes; "
+        "the server follows the trainer's value). Extra GPU memory on each side: about buffer x num_buffers.",
+    )
+    num_buffers: int = F(
+        2, "Packed mode: buffers (CUDA streams) in flight, so packing one overlaps sending the previous (>= 1)."
+    )
+    timeout: float = F(
+        600.0,
+        "Seconds one transfer may take (POST /update_weights and the broadcast); on expiry the sync fails with "
+        "a clear error instead of hanging in NCCL.",
+    )
+    init_timeout: float = F(
+        300.0,
+        "Seconds for the NCCL rendezvous with the server (POST /init_weight_transfer_engine and ncclCommInitRank).",
+    )
 
 
 @dataclass
@@ -122,7 +201,12 @@ class ServerConfig:
         "Retries (with backoff) of a generation request that timed out or got a 5xx before the run stops; "
         "connection failures are retried until server.timeout instead.",
     )
-    weight_sync: str = F("disk", "Weight-sync backend: disk (safetensors + reload_weights).")
+    weight_sync: str = F(
+        "disk",
+        "Weight-sync backend: disk (safetensors + reload_weights; merged weights when model.lora is on) or lora "
+        "(the LoRA adapter, loaded under a new name per version; merged fallback when it is not servable) or "
+        "nccl (GPU to GPU broadcast from the trainer, vLLM's native weight transfer; server.nccl).",
+    )
     weight_sync_dir: str | None = F(
         None,
         "Directory the server can read for disk sync; default RUN_DIR/weights (must be shared with the server).",
@@ -140,6 +224,10 @@ class ServerConfig:
     embedded: EmbeddedServerConfig = F(help="Settings of the embedded server.", factory=EmbeddedServerConfig)
     vllm_launch: VllmLaunchConfig = F(
         help="Settings of the vLLM server that train starts (backend=vllm_launch).", factory=VllmLaunchConfig
+    )
+    nccl: NcclSyncConfig = F(
+        help="Settings of server.weight_sync=nccl (GPU to GPU broadcast, vLLM's native protocol).",
+        factory=NcclSyncConfig,
     )
 
 
@@ -164,14 +252,33 @@ class SamplingConfig:
         "build: seeded requests under concurrency kill its engine (the startup probe refuses the combination).",
     )
     seed: int = F(0, "Base of the per-request seeds.")
+    sampling_mask: str = F(
+        "auto",
+        "Candidate sets of truncated sampling (top_k / top_p / min_p; reference section j): auto = request each "
+        "token's set through /inference/v1/generate when the server returns them (vLLM --return-sampling-mask "
+        "--enable-scale-out; the embedded server always does) and renormalize the trainer's log-probs over it, "
+        "else warn once that importance ratios are biased; required = the startup probe fails without server "
+        "support; off = never request them (biased ratios, warned once).",
+    )
+    max_mask_candidates: int = F(
+        1024,
+        "Largest candidate set kept per token (4 bytes per id in the rollout queue; the trainer pads a row's sets "
+        "to (tokens x largest set) int64). A larger set is dropped and its token normalized over the full "
+        "vocabulary (counted in rollout/sampling_mask_overflow_frac). On vLLM sets are bounded by top_k.",
+    )
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top_k / top_p / min_p restrict the sampling distribution (greedy sampling never does)."""
+        return self.temperature >= 1e-5 and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
 
 
 @dataclass
 class PackingConfig:
     kind: str = F(
-        "sequence",
-        "Packer: sequence (padding-free rows with per-sample attention isolation) or tree (per-group prefix "
-        "tries: each shared prefix forwarded once, exact tree attention).",
+        "tree",
+        "Packer: tree (default: per-group prefix tries, each shared prefix forwarded once, exact tree attention) "
+        "or sequence (padding-free rows with per-sample attention isolation).",
     )
     token_budget: int | None = F(
         None, "Max forwarded tokens in one row (one rank's micro-batch); None: the server's max_model_len."
@@ -257,9 +364,24 @@ class TrainerConfig:
     seed: int = F(42, "Seed for the trainer (init, data order).")
     save_hf_model: bool = F(True, "Also write the policy as an HF model directory (checkpoint/model) in checkpoints.")
     mixed_precision: str | None = F(
-        None, "FSDP2 compute dtype (bfloat16 or float16) over fp32 master weights; null: compute in model.dtype."
+        None,
+        "bfloat16: fp32 master weights (model.dtype=float32) computed in bf16, gradients reduced in fp32 (FSDP2, "
+        "also on one GPU); null: compute in model.dtype.",
     )
-    cpu_offload: bool = F(False, "FSDP2: keep sharded parameters, gradients and optimizer state in CPU memory.")
+    cpu_offload: bool = F(
+        False,
+        "FSDP2 on CUDA: keep sharded parameters, gradients and optimizer state in CPU memory (AdamW steps on the "
+        "CPU): less GPU memory, slower steps.",
+    )
+    reshard_after_forward: bool = F(
+        True,
+        "FSDP2: free each layer's gathered parameters after its forward and gather them again for backward; false "
+        "keeps them until backward (one all-gather less per step, more GPU memory).",
+    )
+    compile: bool = F(
+        False,
+        "torch.compile each decoder layer (the first steps pay the compilation; mostly worth it on GPUs).",
+    )
     dist_timeout: float = F(1800.0, "Seconds a collective may wait for the other ranks before failing.")
     device: str = F("auto", "Training device: auto, cpu or cuda.")
     num_threads: int | None = F(None, "torch threads of the trainer on CPU; None: torch's default.")

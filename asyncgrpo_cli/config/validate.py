@@ -15,6 +15,8 @@ from typing import Any, get_args, get_origin, get_type_hints
 from asyncgrpo_cli import registry
 from asyncgrpo_cli.config.schema import RootConfig
 from asyncgrpo_cli.errors import ConfigError
+from asyncgrpo_cli.model.flex import ATTN_CHOICES
+from asyncgrpo_cli.sync import lora_policy
 
 _MISSING = object()
 
@@ -130,6 +132,14 @@ def _range_errors(cfg: RootConfig) -> list[str]:
     need(s.repetition_penalty > 0, "sampling.repetition_penalty must be > 0 (1.0 disables).")
     need(s.num_sampler_logprobs >= 0, "sampling.num_sampler_logprobs must be >= 0.")
     need(
+        s.sampling_mask in ("auto", "required", "off"),
+        f"sampling.sampling_mask ({s.sampling_mask!r}) must be one of auto, required, off.",
+    )
+    need(
+        s.max_mask_candidates >= 1,
+        f"sampling.max_mask_candidates ({s.max_mask_candidates}) must be >= 1: it caps each token's candidate set.",
+    )
+    need(
         0 < lo.vllm_importance_sampling_clip_min <= 1 <= lo.vllm_importance_sampling_clip_max,
         f"loss.vllm_importance_sampling_clip_min/max ({lo.vllm_importance_sampling_clip_min}, "
         f"{lo.vllm_importance_sampling_clip_max}) must satisfy 0 < min <= 1 <= max.",
@@ -160,12 +170,54 @@ def _range_errors(cfg: RootConfig) -> list[str]:
     )
     need(tr.device in ("auto", "cpu", "cuda"), f"trainer.device ({tr.device!r}) must be auto, cpu or cuda.")
     need(
+        tr.mixed_precision in (None, "bfloat16"),
+        f"trainer.mixed_precision ({tr.mixed_precision!r}) must be bfloat16 or null (float16 would need loss "
+        "scaling, which the trainer does not do).",
+    )
+    need(
+        tr.mixed_precision is None or cfg.model.dtype == "float32",
+        f"trainer.mixed_precision={tr.mixed_precision} keeps fp32 master weights: set model.dtype=float32 (not "
+        f"{cfg.model.dtype!r}), or trainer.mixed_precision=null to train in model.dtype.",
+    )
+    need(
+        not (tr.cpu_offload and tr.device == "cpu"),
+        "trainer.cpu_offload=true moves FSDP2 shards off a GPU, but trainer.device=cpu: set trainer.cpu_offload=false.",
+    )
+    need(
         cfg.model.dtype in ("auto", "bfloat16", "float16", "float32"),
         f"model.dtype ({cfg.model.dtype!r}) must be one of auto, bfloat16, float16, float32.",
+    )
+    need(
+        cfg.model.attn_implementation in ATTN_CHOICES,
+        f"model.attn_implementation ({cfg.model.attn_implementation!r}) must be one of {', '.join(ATTN_CHOICES)} "
+        "(flash kernels would ignore a packed row's attention mask).",
+    )
+    need(
+        not (cfg.model.attn_implementation == "flex_attention" and tr.device == "cpu"),
+        "model.attn_implementation=flex_attention needs trainer.device=cuda (flex attention has no CPU "
+        "backward): use model.attn_implementation=auto or sdpa on CPU.",
     )
     need(pk.token_budget is None or pk.token_budget > 0, "packing.token_budget must be > 0 or null.")
     need(sv.timeout > 0 and sv.startup_timeout > 0, "server.timeout and server.startup_timeout must be > 0.")
     need(sv.max_retries >= 0, "server.max_retries must be >= 0.")
+    nc = sv.nccl
+    need(
+        nc.num_buffers >= 1 and nc.buffer_size_bytes >= 1,
+        "server.nccl.num_buffers and server.nccl.buffer_size_bytes must be >= 1.",
+    )
+    need(nc.timeout > 0 and nc.init_timeout > 0, "server.nccl.timeout and server.nccl.init_timeout must be > 0.")
+    if sv.weight_sync == "nccl":
+        need(
+            tr.device != "cpu",
+            "server.weight_sync=nccl broadcasts from the trainer's GPU: set trainer.device=cuda (or auto), or "
+            "server.weight_sync=disk.",
+        )
+        need(
+            sv.backend != "embedded" or sv.embedded.device.startswith("cuda"),
+            f"server.weight_sync=nccl needs the embedded server on a GPU (server.embedded.device is "
+            f"{sv.embedded.device!r}): set server.embedded.device=cuda:1 (another GPU than the trainer's), or "
+            "server.weight_sync=disk.",
+        )
     emb = sv.embedded
     need(0 <= emb.port < 65536, f"server.embedded.port ({emb.port}) must be in [0, 65535] (0: a free port).")
     need(
@@ -240,8 +292,10 @@ def to_root_config(data: Any) -> RootConfig:
     if not errors:
         errors += _range_errors(cfg)
         errors += _plugin_errors(cfg)
+        errors += lora_policy.config_errors(cfg)
     if errors:
         raise ConfigError(errors)
+    lora_policy.derive_defaults(cfg)
     return cfg
 
 

@@ -45,9 +45,22 @@ import torch
 import torch.nn.functional as F
 
 VOCAB_CHUNK = 4096
-"""Vocabulary entries per tile (default)."""
+"""Vocabulary entries per tile on CPU. A tile holds a few [positions, vocab] fp32 temporaries."""
 POSITION_CHUNK = 1024
-"""Positions per tile (default). A tile holds a few [POSITION_CHUNK, VOCAB_CHUNK] fp32 temporaries (16 MiB each)."""
+"""Positions per tile on CPU (16 MiB fp32 temporaries)."""
+CUDA_VOCAB_CHUNK = 16384
+"""Vocabulary entries per tile on CUDA."""
+CUDA_POSITION_CHUNK = 4096
+"""Positions per tile on CUDA (256 MiB fp32 temporaries). Each tile costs ~25 kernel launches; small tiles leave
+the GPU waiting on Python (measured on an H200, 16k positions x 151,936 vocab: 1024 x 4096 tiles took 490 ms
+forward+backward, 8x the naive head)."""
+
+
+def tile_shape(device: torch.device) -> tuple[int, int]:
+    """(position_chunk, vocab_chunk) for tiles on ``device``."""
+    if device.type == "cuda":
+        return CUDA_POSITION_CHUNK, CUDA_VOCAB_CHUNK
+    return POSITION_CHUNK, VOCAB_CHUNK
 
 
 @dataclass(frozen=True)
@@ -281,15 +294,19 @@ def chunked_token_stats(
     transform: LogitTransform = LogitTransform(),
     candidate_ids: torch.Tensor | None = None,
     support_ids: torch.Tensor | None = None,
-    vocab_chunk: int = VOCAB_CHUNK,
-    position_chunk: int = POSITION_CHUNK,
+    vocab_chunk: int | None = None,
+    position_chunk: int | None = None,
 ) -> HeadStats:
     """Log-probs of ``targets`` [N], entropies and log-probs of ``candidate_ids`` [N, K] (-1 = absent) under
     softmax(transform(hidden Wᵀ + b)), optionally renormalized over ``support_ids`` [N, C] (see the module doc).
 
     Never forms more than a [position_chunk, vocab_chunk] tile of logits; gradients flow to hidden, weight and
     bias through the log-probs and candidate log-probs. ``candidate_logprobs`` is None when no ids are given.
+    Chunk sizes default by device (:func:`tile_shape`).
     """
+    default_positions, default_vocab = tile_shape(hidden.device)
+    vocab_chunk = default_vocab if vocab_chunk is None else vocab_chunk
+    position_chunk = default_positions if position_chunk is None else position_chunk
     if vocab_chunk < 1 or position_chunk < 1:
         raise ValueError(f"chunk sizes must be positive, got vocab {vocab_chunk}, positions {position_chunk}")
     cands = candidate_ids

@@ -22,7 +22,13 @@ def torch_dtype(name: str) -> Any:
 
 
 def is_hybrid_linear_attention(config: Any) -> bool:
-    """Qwen3.5 / Qwen3-Next style models mix gated-DeltaNet (linear attention) layers with attention layers."""
+    """Qwen3.5 / Qwen3-Next style models mix gated-DeltaNet (linear attention) layers with attention layers.
+
+    Packed rows are refused for them, whatever ``packing.kind``: those layers run a causal convolution and a
+    recurrence over the whole row, and neither a 4D mask nor position-id resets reach them (transformers hands
+    them no mask for a 4D one, and its torch fallback ignores ``cu_seq_lens``), so sequence packing leaks state
+    from one sample into the next just as tree packing would.
+    """
     for cfg in (config, getattr(config, "text_config", None)):
         if cfg is None:
             continue
@@ -53,8 +59,15 @@ def load_tokenizer(path: str, cfg: ModelConfig) -> Any:
 
 
 def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
-    """The trainable causal LM on ``device``, with gradient checkpointing and without a KV cache."""
+    """The trainable causal LM on ``device``, with gradient checkpointing and without a KV cache.
+
+    ``model.attn_implementation`` is resolved for ``device`` (``auto``: flex attention on CUDA, SDPA elsewhere;
+    see ``model/flex.py``).
+    """
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from asyncgrpo_cli.model.flex import resolve_attn_implementation
 
     try:
         config = AutoConfig.from_pretrained(
@@ -67,18 +80,29 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
         ) from e
     if is_hybrid_linear_attention(config):
         raise UserError(
-            f"model.name_or_path {path!r} is a hybrid model with gated-DeltaNet (linear attention) layers; packed "
-            "rows would leak state across samples in those layers, and the tree-aware path for them is not "
-            "available yet. Use a full-attention model (e.g. Qwen/Qwen3-1.7B)."
+            f"model.name_or_path {path!r} is a hybrid model with gated-DeltaNet (linear attention) layers. Both "
+            "packers put several samples in one row, and those layers run their convolution and recurrent state "
+            "across the whole row (no mask or position reset reaches them), so samples would leak into each "
+            "other under packing.kind=tree and packing.kind=sequence alike. Use a full-attention model (e.g. "
+            "Qwen/Qwen3-1.7B)."
         )
+    try:
+        attn = resolve_attn_implementation(cfg.attn_implementation, torch.device(device))
+    except ValueError as e:
+        raise UserError(str(e)) from e
     model = AutoModelForCausalLM.from_pretrained(
         path,
         revision=cfg.revision,
         trust_remote_code=cfg.trust_remote_code,
         dtype=torch_dtype(cfg.dtype),
-        attn_implementation=cfg.attn_implementation,
+        attn_implementation=attn,
     )
+    logger.info("model.attn_implementation=%s: attention runs as %s", cfg.attn_implementation, attn)
     model.config.use_cache = False
+    if cfg.lora.enabled:  # only the adapter trains (model/lora.py)
+        from asyncgrpo_cli.model.lora import apply_lora
+
+        model = apply_lora(model, cfg.lora)
     if cfg.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

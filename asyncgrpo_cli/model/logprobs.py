@@ -9,13 +9,14 @@ temperature (fp32) and log Z = logsumexp(z):
 
 The head is ``model.get_output_embeddings()`` (tied models share the embedding weight through it); the model's
 ``logit_scale`` (Cohere) and ``final_logit_softcapping`` (Gemma) are applied before the temperature, as its own
-forward does. The projection is :func:`asyncgrpo_cli.model.chunked_head.chunked_token_stats`: tiles of ``CHUNK``
-positions x ``VOCAB_CHUNK`` vocabulary entries with an online logsumexp in fp32, recomputed in backward, so no
-[positions, vocab] logits are ever formed or kept. ``support_ids`` (optional, [N, C], -1 padding) renormalizes
+forward does. The projection is :func:`asyncgrpo_cli.model.chunked_head.chunked_token_stats`: tiles of
+positions x vocabulary entries (sized per device: ``chunked_head.tile_shape``) with an online logsumexp in fp32,
+recomputed in backward, so no [positions, vocab] logits are ever formed or kept. ``support_ids`` (optional, [N, C], -1 padding) renormalizes
 over each position's sampling candidate set (top-k / top-p masks returned by the server).
 
-The decoder body runs with ``use_cache=False`` and the row's 4D mask (see ``packing/sequence.py``); SDPA and eager
-attention are supported, flash kernels are rejected because they would ignore the mask.
+The decoder body runs with ``use_cache=False`` and the row's attention rendered for the model's kernel: a dense
+4D mask for SDPA / eager, a block-sparse flex ``BlockMask`` for flex attention (``model/flex.py``), both from the
+row's DFS intervals; flash kernels are rejected because they would ignore the mask.
 """
 
 from __future__ import annotations
@@ -26,12 +27,8 @@ import torch
 from torch import nn
 
 from asyncgrpo_cli.model.chunked_head import LogitTransform, chunked_token_stats
+from asyncgrpo_cli.model.flex import FLEX_IMPLS, row_block_mask
 from asyncgrpo_cli.packing.row import PackedRow
-
-CHUNK = 1024
-"""Positions per LM-head tile."""
-VOCAB_CHUNK = 4096
-"""Vocabulary entries per LM-head tile."""
 
 
 @dataclass
@@ -86,17 +83,19 @@ def _transform(model: nn.Module, temperature: float) -> LogitTransform:
     )
 
 
-def _attention_mask(model: nn.Module, row: PackedRow, dtype: torch.dtype) -> torch.Tensor:
+def _attention_mask(model: nn.Module, row: PackedRow, dtype: torch.dtype) -> object:
     """The row's mask in the form the model's attention applies (transformers passes 4D masks through as-is).
 
-    SDPA reads a bool mask as True = attend. Eager attention *adds* the mask to the scores, so it needs the
-    additive form (0 / dtype min): a bool mask there is silently wrong. Flash / flex kernels ignore a dense mask.
-    A 4D mask also replaces sliding-window masks, so samples must fit in the window.
+    Flex attention gets a ``BlockMask`` (no dense mask is built). SDPA reads a bool mask as True = attend. Eager
+    attention *adds* the mask to the scores, so it needs the additive form (0 / dtype min): a bool mask there is
+    silently wrong. Flash kernels ignore a dense mask. A 4D mask also replaces sliding-window masks, so samples
+    must fit in the window.
     """
     impl = str(getattr(model.config, "_attn_implementation", ""))
-    if impl not in ("sdpa", "eager"):
+    if impl not in ("sdpa", "eager", *FLEX_IMPLS):
         raise ValueError(
-            f"model.attn_implementation={impl!r} cannot apply a packed row's 4D mask: use sdpa or eager"
+            f"model.attn_implementation={impl!r} cannot apply a packed row's attention mask: use auto, sdpa, "
+            "eager or flex_attention"
         )
     window = getattr(model.config, "sliding_window", None)
     layer_types = getattr(model.config, "layer_types", None)
@@ -105,11 +104,12 @@ def _attention_mask(model: nn.Module, row: PackedRow, dtype: torch.dtype) -> tor
             raise ValueError(
                 f"a sample is longer than the model's sliding window ({window}): packing would be inexact"
             )
+    if impl in FLEX_IMPLS:
+        return row_block_mask(row.leave, impl)
+    mask = row.attention_mask  # dense, built from row.leave on its device
     if impl == "eager":
-        return torch.zeros((), dtype=dtype, device=row.attention_mask.device).masked_fill(
-            ~row.attention_mask, torch.finfo(dtype).min
-        )
-    return row.attention_mask
+        return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return mask
 
 
 def token_logprobs(
@@ -145,7 +145,5 @@ def token_logprobs(
         transform=_transform(model, temperature),
         candidate_ids=row.topk_ids if with_topk else None,
         support_ids=support_ids,
-        vocab_chunk=VOCAB_CHUNK,
-        position_chunk=CHUNK,
     )
     return TokenStats(stats.logprobs, stats.entropy, stats.candidate_logprobs)

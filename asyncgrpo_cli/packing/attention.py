@@ -16,9 +16,20 @@ inside one segment it is plain causality). Sequence packing is the special case 
 Two renderings of the same intervals:
   - :func:`dense_mask`: bool [1, 1, T, T] (True = attend) for SDPA / eager attention. T² bytes, fine on CPU and
     for the budgets the CPU path uses.
-  - :func:`flex_block_mask`: a ``torch.nn.attention.flex_attention.BlockMask`` for compiled ``flex_attention``
-    on CUDA (block-sparse, never materializes T²). CUDA only: flex attention on CPU has no backward (see
-    docs/platform-notes.md), so this module imports flex lazily and refuses other devices.
+  - :func:`flex_block_mask`: a ``torch.nn.attention.flex_attention.BlockMask`` for ``flex_attention`` (CUDA for
+    training: flex has no CPU backward, see docs/platform-notes.md). It is built from the intervals at block
+    granularity, never from a T² evaluation: for query block i and key block j < i (B = block size), every key of
+    j precedes every query of i, so the block is
+
+        full     iff  min(leave[j-block]) > last query of i     (every pair visible: mask_mod skipped)
+        non-empty iff max(leave[j-block]) > first query of i    (some pair visible: mask_mod applied)
+
+    and a diagonal block is partial (empty above the diagonal). That is a few [T/B, T/B] tensor operations on
+    the row's device per row, and equals ``create_block_mask`` of :func:`tree_mask_mod` exactly.
+
+Compiled flex attention is kept to static shapes (``model/flex.py`` says why), so :func:`flex_length` pads a row
+to a power-of-two bucket (a handful of compiled shapes per run). Padding is nearly free: padded keys are in no block list and
+padded queries have none, so the kernel skips them.
 """
 
 from __future__ import annotations
@@ -30,6 +41,9 @@ import numpy as np
 import torch
 
 FLEX_BLOCK_SIZE = 128
+"""Sparse block size of the flex BlockMask (flex's default)."""
+FLEX_MIN_LENGTH = 1024
+"""Smallest padded length of a compiled flex row (see :func:`flex_length`)."""
 
 
 def check_segments(offsets: np.ndarray, parents: np.ndarray) -> None:
@@ -78,43 +92,79 @@ def dense_mask(leave: torch.Tensor | np.ndarray) -> torch.Tensor:
     return ((idx[None, :] <= idx[:, None]) & (idx[:, None] < leave[None, :]))[None, None]
 
 
-def tree_mask_mod(leave: torch.Tensor, block_size: int = FLEX_BLOCK_SIZE) -> Callable[..., torch.Tensor]:
+def flex_length(n: int) -> int:
+    """The length a row of ``n`` tokens runs compiled flex attention at: the next power of two >= max(n, 1024).
+
+    Up to a 64k-token row that is at most 7 shapes, each compiled once (under dynamo's default recompile limit).
+    """
+    return max(FLEX_MIN_LENGTH, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _padded_leave(leave: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """``leave`` padded with -1 to ``length`` rounded up to whole blocks (padded keys are never visible)."""
+    n = int(leave.shape[0])
+    if length < n:
+        raise ValueError(f"flex length {length} is shorter than the row ({n} tokens)")
+    bound = torch.full((-(-length // block_size) * block_size,), -1, dtype=torch.int64, device=leave.device)
+    bound[:n] = leave
+    return bound
+
+
+def tree_mask_mod(
+    leave: torch.Tensor, length: int | None = None, block_size: int = FLEX_BLOCK_SIZE
+) -> Callable[..., torch.Tensor]:
     """The flex ``mask_mod`` of the intervals ``leave`` (int64 [T]): ``kv <= q < leave[kv]``.
 
-    ``leave`` is padded by -1 to a multiple of ``block_size``, so keys past the row are never visible and
-    ``leave[kv]`` stays in bounds for the padded indices flex evaluates.
+    ``leave`` is padded by -1 to ``length`` (default T) rounded up to whole blocks, so keys past the row are never
+    visible and ``leave[kv]`` stays in bounds for the padded indices flex evaluates. Queries past the row see
+    nothing (every ``leave`` is <= T).
     """
-    n = int(leave.shape[0])
-    bound = torch.full((-(-n // block_size) * block_size,), -1, dtype=torch.int64, device=leave.device)
-    bound[:n] = leave
+    return _mask_mod(_padded_leave(leave, int(leave.shape[0]) if length is None else length, block_size))
 
+
+def _mask_mod(bound: torch.Tensor) -> Callable[..., torch.Tensor]:
     def mask_mod(b: Any, h: Any, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         return (kv_idx <= q_idx) & (q_idx < bound[kv_idx])
 
     return mask_mod
 
 
-def flex_block_mask(leave: torch.Tensor, block_size: int = FLEX_BLOCK_SIZE) -> Any:
-    """A flex-attention ``BlockMask`` of :func:`tree_mask_mod` for ``leave`` (int64 [T], on a CUDA device).
+def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [Q, K] block matrix -> (count int32 [1, 1, Q], indices int32 [1, 1, Q, K], set blocks first, ascending)."""
+    count = blocks.sum(-1, dtype=torch.int32)
+    indices = torch.sort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).indices.to(torch.int32)
+    return count[None, None], indices[None, None]
 
-    Built with ``_compile=True``: build it once per row, outside the layers, and pass it to every attention
-    call (transformers passes a ``BlockMask`` given as ``attention_mask`` through to ``flex_attention``).
+
+def flex_block_mask(leave: torch.Tensor, length: int | None = None, block_size: int = FLEX_BLOCK_SIZE) -> Any:
+    """The flex-attention ``BlockMask`` of the intervals ``leave`` (int64 [T]) at ``length`` (default T) tokens.
+
+    Built from per-block minima and maxima of ``leave`` (see the module docstring), on ``leave``'s device. Build
+    it once per row and pass it as ``attention_mask``: it reaches every layer's attention unchanged. With
+    ``length > T`` the q/k/v of the row must be padded to ``length`` (``model/flex.py`` does that).
     """
-    if leave.device.type != "cuda":
-        raise ValueError(
-            f"flex_block_mask needs a CUDA tensor, got one on {leave.device}: flex attention has no CPU backward; "
-            "on CPU use dense_mask with SDPA"
-        )
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask
 
     n = int(leave.shape[0])
-    return create_block_mask(
-        tree_mask_mod(leave, block_size),
-        B=None,
-        H=None,
-        Q_LEN=n,
-        KV_LEN=n,
-        device=leave.device,
+    length = n if length is None else int(length)
+    bound = _padded_leave(leave.to(torch.int64), length, block_size)
+    num_blocks = bound.shape[0] // block_size
+    per_block = bound.view(num_blocks, block_size)
+    lo, hi = per_block.amin(1), per_block.amax(1)  # a block holding padding (-1) is never full
+    idx = torch.arange(num_blocks, device=leave.device)
+    first_q, last_q = idx * block_size, idx * block_size + block_size - 1
+    below = idx[None, :] < idx[:, None]  # [query block, key block]: key block strictly before query block
+    full = below & (lo[None, :] > last_q[:, None])
+    some = below & (hi[None, :] > first_q[:, None])
+    diagonal = (idx[None, :] == idx[:, None]) & (first_q < n)[:, None]  # holds a real token: partial (causal)
+    kv_num, kv_idx = _ordered((some & ~full) | diagonal)
+    full_num, full_idx = _ordered(full)
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
         BLOCK_SIZE=block_size,
-        _compile=True,
+        mask_mod=_mask_mod(bound),
+        seq_lengths=(length, length),
     )

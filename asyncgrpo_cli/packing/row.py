@@ -11,11 +11,13 @@ with its own target, advantage and sampler log-prob. Both packers build the term
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
 
+from asyncgrpo_cli.packing.attention import dense_mask
+from asyncgrpo_cli.rollout.candidates import CandidateSets
 from asyncgrpo_cli.rollout.types import TrainingSequence
 
 
@@ -25,20 +27,25 @@ class PackedRow:
 
     Forward (batch dimension 1):
       - ``input_ids`` int64 [1, T], ``position_ids`` int64 [1, T] (each token's position in its own sample);
-      - ``attention_mask`` bool [1, 1, T, T], True = query may attend to key (exact per-sample isolation).
+      - ``leave`` int64 [T]: the row's attention as DFS intervals (``packing/attention.py``): query ``q`` sees key
+        ``k`` iff ``k <= q < leave[k]`` (exact per-sample isolation). The attention mask is rendered from it for
+        the model's kernel (a dense mask for SDPA / eager, a BlockMask for flex), on the row's device.
     Loss terms, one entry per trained token:
       - ``pred_index`` int64 [N]: packed position whose output predicts the token;
       - ``target_ids`` int64 [N], ``sampler_logprobs`` float32 [N], ``advantages`` float32 [N];
       - ``sample_index`` int64 [N]: which sample of the row (0 .. num_samples - 1) the token belongs to;
       - ``topk_ids`` int64 [N, K] (pad -1) and ``topk_logprobs`` float32 [N, K] (pad -inf): the sampler's most
-        likely tokens at that position; K = 0 when no sample carries them.
+        likely tokens at that position; K = 0 when no sample carries them;
+      - ``support_ids`` int64 [N, C] (pad -1) or None: each token's sampling candidate set (top-k / top-p / min-p
+        mask, ``rollout/candidates.py``), C = the row's largest set; a row of -1 means the full vocabulary. None
+        when no sample of the row carries a set. The trainer renormalizes its log-probs over it.
     Counts: ``num_forwarded`` = T, ``num_trained`` = N, ``num_samples``, and ``num_unpacked`` = Σ sample lengths
     (equal to T for sequence packing; larger under prefix sharing).
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    leave: torch.Tensor
     pred_index: torch.Tensor
     target_ids: torch.Tensor
     sampler_logprobs: torch.Tensor
@@ -50,6 +57,12 @@ class PackedRow:
     num_trained: int
     num_samples: int
     num_unpacked: int
+    support_ids: torch.Tensor | None = field(default=None, kw_only=True)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """bool [1, 1, T, T], True = query may attend to key: built from ``leave`` on each access (T² bytes)."""
+        return dense_mask(self.leave)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRow:
         """A copy with every tensor on ``device`` (counts unchanged)."""
@@ -83,14 +96,38 @@ def _sample_topk(sample: TrainingSequence, n: int, k: int, index: int) -> tuple[
     return ids, lps
 
 
+def _support_ids(samples: Sequence[TrainingSequence], trained: Sequence[int]) -> torch.Tensor | None:
+    """The samples' candidate sets, one row per trained token in order ([N, C], -1 padding); None if none has any.
+
+    A tree row maps several samples onto one packed position, but the sets stay per sample (per branch), aligned
+    with ``target_ids`` like every other loss term.
+    """
+    if all(s.sampling_mask is None for s in samples):
+        return None
+    parts = []
+    for i, (sample, n) in enumerate(zip(samples, trained, strict=True)):
+        sets = sample.sampling_mask
+        if sets is None:
+            parts.append(CandidateSets.empty(n))
+        elif len(sets) != n:
+            raise ValueError(
+                f"sample {i} ({sample.rollout_id or 'no rollout id'}) has {n} trained tokens but {len(sets)} "
+                "candidate sets (sampling_mask)"
+            )
+        else:
+            parts.append(sets)
+    return torch.from_numpy(CandidateSets.concat(parts).padded())
+
+
 def gather_loss_terms(
     samples: Sequence[TrainingSequence], packed_positions: Sequence[np.ndarray]
-) -> dict[str, torch.Tensor]:
+) -> dict[str, torch.Tensor | None]:
     """Per-trained-token loss terms of ``samples``.
 
     ``packed_positions[s][i]`` is the packed row position of token ``i`` of sample ``s``. For each trained token
     ``t`` (``train_mask[t]``, t >= 1): ``pred_index = packed_positions[s][t - 1]``, ``target_ids = input_ids[t]``,
-    plus the sample's sampler log-prob, advantage, index and top-k rows. Returns the ``PackedRow`` loss fields.
+    plus the sample's sampler log-prob, advantage, index, top-k rows and candidate set (``support_ids``). Returns
+    the ``PackedRow`` loss fields.
     """
     k = _topk_width(samples)
     parts: dict[str, list[np.ndarray]] = {name: [] for name in _TERM_DTYPES}
@@ -111,6 +148,7 @@ def gather_loss_terms(
         empty = np.zeros((0, k) if name.startswith("topk") else 0, dtype=dtype)
         arr = np.concatenate(parts[name]).astype(dtype, copy=False) if parts[name] else empty
         out[name] = torch.from_numpy(np.ascontiguousarray(arr))
+    out["support_ids"] = _support_ids(samples, [int(s.train_mask.sum()) for s in samples])
     return out
 
 

@@ -15,8 +15,9 @@ attention adds the mask to the scores, so the log-prob head hands eager models t
 there is silently wrong). Position-id resets alone also yield block-diagonal attention, but only when no cache
 exists: the decoder's ``use_cache`` defaults to the model config's (True), a DynamicCache is then created and
 transformers silently falls back to plain causal attention over the whole row, so samples see each other. The
-explicit mask does not depend on that (the head also passes ``use_cache=False``). The dense mask costs T² bytes
-(64 MiB at 8k tokens): fine on CPU and for the budgets used with SDPA; a varlen / flex kernel replaces it later.
+explicit mask does not depend on that (the head also passes ``use_cache=False``). The row carries only the
+intervals (``leave``); the log-prob head renders them as a dense mask for SDPA / eager (T² bytes, 64 MiB at 8k
+tokens: fine on CPU) or as a block-sparse flex ``BlockMask`` on CUDA (``model/flex.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from asyncgrpo_cli.config.schema import PackingConfig
-from asyncgrpo_cli.packing.attention import dense_mask, sequence_leave
+from asyncgrpo_cli.packing.attention import sequence_leave
 from asyncgrpo_cli.packing.row import PackedRow, gather_loss_terms
 from asyncgrpo_cli.rollout.types import TrainingSequence
 
@@ -56,7 +57,7 @@ class SequencePacker:
         return PackedRow(
             input_ids=torch.from_numpy(input_ids)[None],
             position_ids=torch.from_numpy(positions)[None],
-            attention_mask=dense_mask(sequence_leave(lengths)),
+            leave=torch.from_numpy(sequence_leave(lengths)),
             **terms,
             num_forwarded=total,
             num_trained=int(terms["target_ids"].shape[0]),

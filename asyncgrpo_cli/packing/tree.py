@@ -19,7 +19,8 @@ Worked example (``r0 = p1 p2 p3 a1 a2``, ``r1 = p1 p2 p3 b1 b2``)::
     segment       S0 S0 S1 S1 S1 S2 S2 S2      S1 and S2 hang below S0
     r0 predicted at 2, 3 (a1, a2); r1 at 5, 6 (b1, b2); 8 forwarded tokens instead of 10
 
-Everything is per-sample numpy (no per-token Python loop); the dense mask is the only O(T²) step.
+Everything is per-sample numpy (no per-token Python loop) and nothing is O(T²): the row carries the DFS intervals
+(``leave``), rendered as a mask only for the model's kernel (``model/logprobs.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 from asyncgrpo_cli.config.schema import PackingConfig
-from asyncgrpo_cli.packing.attention import dense_mask, token_leave
+from asyncgrpo_cli.packing.attention import token_leave
 from asyncgrpo_cli.packing.row import PackedRow, gather_loss_terms
 from asyncgrpo_cli.packing.trie import GroupTrie, group_key
 from asyncgrpo_cli.rollout.types import TrainingSequence
@@ -156,15 +157,11 @@ def tree_layout(samples: Sequence[TrainingSequence]) -> TreeLayout:
 
 @dataclass
 class TreeRow(PackedRow):
-    """A :class:`PackedRow` that also carries its tree, for kernels that need more than the dense mask.
-
-    ``segment_offsets`` int64 [S + 1], ``segment_parents`` int64 [S] and ``leave`` int64 [T] as in
-    :class:`TreeLayout` (``packing/attention.py:flex_block_mask`` builds a CUDA BlockMask from ``leave``).
-    """
+    """A :class:`PackedRow` that also carries its segment tree: ``segment_offsets`` int64 [S + 1] and
+    ``segment_parents`` int64 [S] as in :class:`TreeLayout` (``leave`` is a :class:`PackedRow` field)."""
 
     segment_offsets: torch.Tensor
     segment_parents: torch.Tensor
-    leave: torch.Tensor
 
 
 class TreePacker:
@@ -179,11 +176,10 @@ class TreePacker:
         """The packed row of ``samples`` (at least one, each non-empty)."""
         layout = tree_layout(samples)
         terms = gather_loss_terms(samples, layout.sample_positions)
-        leave = torch.from_numpy(layout.leave)
         return TreeRow(
             input_ids=torch.from_numpy(layout.input_ids)[None],
             position_ids=torch.from_numpy(layout.position_ids)[None],
-            attention_mask=dense_mask(leave),
+            leave=torch.from_numpy(layout.leave),
             **terms,
             num_forwarded=layout.num_tokens,
             num_trained=int(terms["target_ids"].shape[0]),
@@ -191,5 +187,4 @@ class TreePacker:
             num_unpacked=sum(len(s) for s in samples),
             segment_offsets=torch.from_numpy(layout.segment_offsets),
             segment_parents=torch.from_numpy(layout.segment_parents),
-            leave=leave,
         )

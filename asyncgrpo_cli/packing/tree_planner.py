@@ -99,7 +99,8 @@ class TreeBudgetPlanner:
             emitted = self._emit(self._rows)
             rank, attachments = 0, {}
             new_tokens[:], new_pairs[:] = length, length * (length + 1) // 2
-        trie = self._tries[rank].setdefault(key, GroupTrie())
+        tries = self._tries[rank]
+        trie = tries[key] if key in tries else tries.setdefault(key, GroupTrie())
         trie.insert(ids, attachments.get(rank))
         self._rows[rank].append(sample)
         self._tokens[rank] += new_tokens[rank]

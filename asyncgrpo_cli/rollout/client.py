@@ -1,8 +1,12 @@
-"""Async client for the generation server's ``/v1/completions`` (vLLM's OpenAI-compatible API), tokens in and out.
+"""Async client for the generation server, tokens in and out: ``/v1/completions`` (vLLM's OpenAI-compatible API)
+and, for truncated sampling with candidate sets, ``/inference/v1/generate`` (``--enable-scale-out``).
 
 Every request carries token ids, asks for the sampled token's log-prob plus the top-N (``logprobs: N``), with
 ``return_token_ids`` and ``return_tokens_as_token_ids`` so nothing is ever re-tokenized and top-logprob keys are
-token ids (decoded-string keys collide for partial UTF-8 bytes).
+token ids (decoded-string keys collide for partial UTF-8 bytes). ``generate`` speaks vLLM's tokens-in/tokens-out
+protocol instead (integer ids everywhere, vLLM ``SamplingParams`` names) and keeps each token's ``sampling_mask``
+(the candidate set it was drawn from, ``--return-sampling-mask``) as compact ``CandidateSets``, capped at
+``max_mask_candidates`` ids per token.
 
 Failures, with exponential backoff capped at 16 s, every re-send counted in ``retry_count``
 (``rollout/vllm_retry_count``):
@@ -26,10 +30,13 @@ from typing import Any
 
 import httpx
 
+from asyncgrpo_cli.rollout.candidates import CandidateSets
 from asyncgrpo_cli.rollout.resync import ServerLink
+from asyncgrpo_cli.rollout.served_name import request_model, retired_fallback
 from asyncgrpo_cli.rollout.types import TurnRecord
 
 MAX_BACKOFF_S = 16.0
+GENERATE_ROUTE = "/inference/v1/generate"
 
 
 class ServerRequestError(RuntimeError):
@@ -107,6 +114,71 @@ def parse_choice(prompt_ids: list[int], choice: dict[str, Any], want_topk: bool)
     )
 
 
+def build_generate_payload(
+    model: str, prompt_ids: list[int], p: SamplingParams, seed: int | None
+) -> dict[str, Any]:
+    """A ``/inference/v1/generate`` body: vLLM ``SamplingParams`` names, tokens only (no detokenization)."""
+    params: dict[str, Any] = {
+        "n": 1,
+        "max_tokens": p.max_tokens,
+        "temperature": p.temperature,
+        "logprobs": p.num_logprobs,
+        "skip_special_tokens": False,
+        "detokenize": False,
+    }
+    if p.top_p < 1.0:
+        params["top_p"] = p.top_p
+    if p.top_k > 0:
+        params["top_k"] = p.top_k
+    if p.min_p > 0:
+        params["min_p"] = p.min_p
+    if p.repetition_penalty != 1.0:
+        params["repetition_penalty"] = p.repetition_penalty
+    if seed is not None:
+        params["seed"] = seed
+    return {"model": model, "token_ids": list(prompt_ids), "sampling_params": params, "output_mode": "tokens"}
+
+
+def parse_generate_choice(
+    prompt_ids: list[int], choice: dict[str, Any], want_topk: bool, max_mask_candidates: int | None
+) -> TurnRecord:
+    """Turn one ``choices[i]`` of a ``/inference/v1/generate`` response into a ``TurnRecord``.
+
+    Top log-probs are read by ``token_id`` (their count differs between vLLM 0.32 and 0.33). ``sampling_mask``
+    becomes ``output_sampling_mask`` (None when the server sent none); sets over ``max_mask_candidates`` or
+    without the sampled token are emptied (``CandidateSets.num_overflow`` / ``num_invalid`` count them).
+    """
+    output_ids = choice.get("token_ids")
+    if output_ids is None:
+        raise ServerRequestError(f"the server's {GENERATE_ROUTE} choice has no 'token_ids'")
+    output_ids = [int(t) for t in output_ids]
+    content = (choice.get("logprobs") or {}).get("content") or []
+    if len(content) != len(output_ids):
+        raise ServerRequestError(f"the server returned {len(content)} log-probs for {len(output_ids)} tokens")
+    top: list[dict[int, float]] | None = None
+    if want_topk:
+        top = [
+            {int(e["token_id"]): float(e["logprob"]) for e in (entry.get("top_logprobs") or [])}
+            for entry in content
+        ]
+    mask = choice.get("sampling_mask")
+    sets = None
+    if mask is not None:
+        if len(mask) != len(output_ids):
+            raise ServerRequestError(
+                f"the server returned {len(mask)} sampling masks for {len(output_ids)} tokens"
+            )
+        sets = CandidateSets.from_lists(mask, max_mask_candidates, sampled=output_ids)
+    return TurnRecord(
+        prompt_ids=list(prompt_ids),
+        output_ids=output_ids,
+        output_log_probs=[float(e["logprob"]) if e.get("logprob") is not None else 0.0 for e in content],
+        output_sampling_mask=sets,
+        output_sampler_logprobs=top,
+        finish_reason=choice.get("finish_reason"),
+    )
+
+
 class CompletionClient:
     """One pooled ``httpx.AsyncClient``; create it inside the rollout loop's event loop (``setup``)."""
 
@@ -140,12 +212,25 @@ class CompletionClient:
         await self._client.aclose()
 
     async def complete(self, prompt_ids: list[int], params: SamplingParams, seed: int | None) -> TurnRecord:
-        payload = build_payload(self.model, prompt_ids, params, seed)
+        payload = build_payload(request_model(self.model), prompt_ids, params, seed)
         data = await self._post("/v1/completions", payload)
         choices = data.get("choices") or []
         if not choices:
             raise ServerRequestError(f"{self.base_url}/v1/completions returned no choices: {str(data)[:200]}")
         return parse_choice(prompt_ids, choices[0], want_topk=params.num_logprobs > 0)
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, seed: int | None, max_mask_candidates: int | None
+    ) -> TurnRecord:
+        """One request through ``/inference/v1/generate``, keeping each token's candidate set (sampling mask)."""
+        payload = build_generate_payload(request_model(self.model), prompt_ids, params, seed)
+        data = await self._post(GENERATE_ROUTE, payload)
+        choices = data.get("choices") or []
+        if not choices:
+            raise ServerRequestError(
+                f"{self.base_url}{GENERATE_ROUTE} returned no choices: {str(data)[:200]}"
+            )
+        return parse_generate_choice(prompt_ids, choices[0], params.num_logprobs > 0, max_mask_candidates)
 
     async def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         attempts = 0  # failures of a live server (timeouts, 5xx): bounded by max_retries
@@ -167,6 +252,10 @@ class CompletionClient:
             else:
                 if resp.status_code == 200:
                     return resp.json()
+                newer = retired_fallback(payload["model"]) if resp.status_code == 404 else None
+                if newer is not None:  # the group's LoRA adapter left the server (rollout/served_name.py)
+                    payload = {**payload, "model": newer}
+                    continue
                 if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
                     raise ServerRequestError(
                         f"{self.base_url}{path} rejected the request (HTTP {resp.status_code}): "

@@ -18,6 +18,7 @@ Subclass it and select it with ``rollout.loop=my_module:MyLoop``; ``rollout.loop
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ import numpy as np
 from asyncgrpo_cli.config.schema import RolloutConfig, SamplingConfig
 from asyncgrpo_cli.data.sources import PromptOrder
 from asyncgrpo_cli.metrics.reducer import MetricWindow
+from asyncgrpo_cli.rollout.candidates import CandidateSets
 from asyncgrpo_cli.rollout.client import CompletionClient, SamplingParams
 from asyncgrpo_cli.rollout.concurrency import ConcurrencyController, MetricsPoller
 from asyncgrpo_cli.rollout.resync import ServerLink, ServerWatch
@@ -42,8 +44,11 @@ from asyncgrpo_cli.rollout.scoring import (
     sum_sources,
 )
 from asyncgrpo_cli.rollout.sequences import rollout_to_sequences
+from asyncgrpo_cli.rollout.served_name import start_group
 from asyncgrpo_cli.rollout.staleness import AllowanceTracker
 from asyncgrpo_cli.rollout.types import PromptResolved, Rollout, RolloutDone, RolloutGroup, TurnRecord
+
+log = logging.getLogger(__name__)
 
 METRICS_INTERVAL_S = 1.0
 HEARTBEAT_INTERVAL_S = 1.0
@@ -72,6 +77,13 @@ class RolloutSettings:
     data_seed: int = 0
     shuffle: bool = True
     seed_offset: int = 0
+    sampling_mask: bool = False
+    """Request each token's candidate set (``/inference/v1/generate``): truncated sampling on a server that
+    returns sampling masks (resolved at startup by ``server.mask_support.resolve_sampling_mask``)."""
+    versioned_model: str | None = None
+    """The model name of each policy version, with ``{version}`` (LoRA adapter sync: ``policy-v{version}``): a
+    group requests the version current when it starts, the one its samples are tagged with. None: every
+    request names ``served_model``."""
 
 
 class AsyncRolloutLoop:
@@ -112,6 +124,7 @@ class AsyncRolloutLoop:
         link = getattr(shared, "server_link", None)
         self.link = ServerLink(link) if link is not None else ServerLink()
         self.client: CompletionClient | None = None
+        self._warned_no_mask = False
         self.score_queue: asyncio.Queue[RolloutGroup] | None = None
 
     # ------------------------------------------------------------------ hooks
@@ -152,13 +165,38 @@ class AsyncRolloutLoop:
         )
         seed = self._rng.getrandbits(62) if s.seed_per_request else None
         assert self.client is not None, "generate_one_turn called before the loop started"
-        turn = await self.client.complete(prompt_ids, params, seed)
+        if self.settings.sampling_mask:
+            turn = await self.client.generate(prompt_ids, params, seed, s.max_mask_candidates)
+            self._record_sampling_mask(turn)
+        else:
+            turn = await self.client.complete(prompt_ids, params, seed)
         self._generated_tokens += len(turn.output_ids)
         return turn
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """One advantage per rollout, in ``group.rewards`` order: group-normalized, 0 for unscored."""
         return group_advantages(group.rewards)
+
+    def _record_sampling_mask(self, turn: TurnRecord) -> None:
+        """rollout/sampling_mask_* metrics of one turn (token-weighted over the window)."""
+        n = len(turn.output_ids)
+        sets = turn.output_sampling_mask
+        if not isinstance(sets, CandidateSets):
+            sets = CandidateSets.empty(n) if sets is None else CandidateSets.coerce(sets)
+        m, with_set = self.metrics, sets.num_with_set
+        m.add_rate("rollout/sampling_mask_frac", with_set, n)
+        m.add_rate("rollout/sampling_mask_overflow_frac", sets.num_overflow, n)
+        m.add_rate("rollout/sampling_mask_invalid_frac", sets.num_invalid, n)
+        if with_set:
+            m.add_rate("rollout/sampling_mask_size_mean", sets.ids.shape[0], with_set)
+            m.add("rollout/sampling_mask_size_max", int(sets.sizes.max()))
+        if turn.output_sampling_mask is None and n and not self._warned_no_mask:
+            self._warned_no_mask = True
+            log.warning(
+                "%s answered without sampling masks although sampling.top_k/top_p/min_p truncate: these "
+                "tokens keep biased importance ratios (is the server started with --return-sampling-mask?)",
+                self.settings.base_url,
+            )
 
     # ------------------------------------------------------------------ helpers for hooks
     def render(self, messages: list[dict[str, str]]) -> list[int]:
@@ -308,6 +346,8 @@ class AsyncRolloutLoop:
     ) -> None:
         G = self.settings.sampling.num_generations
         version = int(self.shared.model_version.value)
+        start_group(self.settings.versioned_model, self.settings.served_model, version,
+                    lambda: int(self.shared.model_version.value))  # LoRA sync: this version's adapter name
         prompt = row["prompt"]
         try:
             rollouts = await asyncio.gather(*(self._timed_rollout(prompt, group_id) for _ in range(G)))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from asyncgrpo_cli.rollout.candidates import CandidateSets
 from asyncgrpo_cli.rollout.types import Rollout, TrainingSequence, TurnRecord
 
 
@@ -37,7 +38,7 @@ class _Builder:
         self.mask: list[bool] = []
         self.lps: list[float] = []
         self.topk: list[dict[int, float] | None] = []
-        self.sampling_mask: list[list[int]] = []
+        self.masks: list[CandidateSets] = []  # per turn, its trained tokens' candidate sets
         self.num_topk = num_topk
 
     def add_context(self, ids: list[int]) -> None:
@@ -61,8 +62,19 @@ class _Builder:
             self.lps.append(float(lps[j]) if trained else 0.0)
             if trained:
                 self.topk.append(turn.output_sampler_logprobs[j] if turn.output_sampler_logprobs else None)
-                if turn.output_sampling_mask is not None:
-                    self.sampling_mask.append(list(turn.output_sampling_mask[j]))
+        trained_idx = np.flatnonzero(np.asarray(mask, dtype=bool))
+        if turn.output_sampling_mask is None:
+            self.masks.append(CandidateSets.empty(trained_idx.size))
+            return
+        sets = CandidateSets.coerce(turn.output_sampling_mask)
+        if len(sets) != n:
+            raise ValueError(f"TurnRecord has {n} output tokens but {len(sets)} output_sampling_mask entries")
+        self.masks.append(sets.take(trained_idx))
+
+    def _sampling_mask(self) -> CandidateSets | None:
+        """One set per trained token, in order; None when no token carries one."""
+        sets = CandidateSets.concat(self.masks)
+        return sets if sets.num_with_set else None
 
     def build(self) -> TrainingSequence | None:
         if not any(self.mask):
@@ -85,7 +97,7 @@ class _Builder:
             sampler_logprobs=np.asarray(self.lps, dtype=np.float32),
             topk_ids=topk_ids,
             topk_logprobs=topk_lps,
-            sampling_mask=self.sampling_mask or None,
+            sampling_mask=self._sampling_mask(),
         )
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from asyncgrpo_cli.rollout.candidates import CandidateSets
+
 
 def _new_id() -> str:
     return uuid.uuid4().hex
@@ -31,8 +33,10 @@ class TurnRecord:
     """Sampler log-prob of each output token (the server's processed log-probs). Required when trained."""
     output_mask: list[int] | None = None
     """1 = train, 0 = context only, per output token. None trains every output token."""
-    output_sampling_mask: list[list[int]] | None = None
-    """Per output token, the token ids the sampler could draw from under top-k/top-p (None: full vocabulary)."""
+    output_sampling_mask: CandidateSets | list[list[int]] | None = None
+    """Per output token, the token ids the sampler could draw from under top-k/top-p/min-p (its candidate set; an
+    empty set means the full vocabulary); None: no sets (every token normalized over the full vocabulary).
+    ``CandidateSets`` is the compact form the client records; nested lists are accepted from custom loops."""
     output_sampler_logprobs: list[dict[int, float]] | None = None
     """Per output token, the sampler's log-probs of its most likely tokens, keyed by token id."""
     finish_reason: str | None = None
@@ -60,6 +64,7 @@ class TrainingSequence:
     at position ``t - 1``); ``sampler_logprobs[t]`` is its sampler log-prob (0 where untrained). The sampler's top
     log-probs are stored only for trained tokens, in the order they appear: row ``j`` of ``topk_ids`` /
     ``topk_logprobs`` belongs to the ``j``-th trained token; missing entries are id -1 / log-prob -inf.
+    ``sampling_mask`` likewise holds one candidate set per trained token (``rollout/candidates.py``).
     """
 
     input_ids: np.ndarray  # int64 [L]
@@ -68,7 +73,7 @@ class TrainingSequence:
     advantage: float = 0.0
     topk_ids: np.ndarray | None = None  # int64 [n_trained, K]
     topk_logprobs: np.ndarray | None = None  # float32 [n_trained, K]
-    sampling_mask: list[list[int]] | None = None  # per trained token (top-k/top-p candidate sets)
+    sampling_mask: CandidateSets | None = None  # per trained token (top-k/top-p/min-p candidate sets)
     rollout_id: str = ""
     group_id: int = 0
     prompt_seq: int = 0

@@ -27,7 +27,9 @@ from urllib.parse import parse_qs, urlsplit
 
 from asyncgrpo_cli.config.schema import EmbeddedServerConfig
 from asyncgrpo_cli.errors import UserError
+from asyncgrpo_cli.server import lora, weight_transfer
 from asyncgrpo_cli.server.engine import GenerationEngine
+from asyncgrpo_cli.server.generate import build_generate_response, parse_generate_request
 from asyncgrpo_cli.server.metrics import render_metrics
 from asyncgrpo_cli.server.protocol import (
     ApiError,
@@ -58,6 +60,14 @@ class EmbeddedApp:
     dtype_name: str
     weight_version: str = "default"
     stopping: threading.Event = field(default_factory=threading.Event)
+    weight_transfer: weight_transfer.WeightReceiver | None = None
+    """The NCCL weight-transfer receiver (``weight_transfer.py``); built from the engine when not given."""
+    adapters: lora.AdapterSet | None = None
+    """Loaded LoRA adapters (``lora.py``); None without ``--enable-lora``."""
+
+    def __post_init__(self) -> None:
+        if self.weight_transfer is None:
+            self.weight_transfer = weight_transfer.WeightReceiver(self.engine)
 
 
 def _json_body(body: bytes) -> Any:
@@ -80,10 +90,25 @@ def _wait_all(app: EmbeddedApp, handles: list[Any]) -> None:
 
 # -- routes -----------------------------------------------------------------------------------------------------
 def completions(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, Payload]:
-    plan = parse_completion_request(_json_body(body), app.ctx)
+    req = _json_body(body)
+    ctx, adapter = lora.for_request(app, req)  # "model" may name a LoRA adapter
+    plan = parse_completion_request(req, ctx)
+    for r in plan.requests:
+        r.adapter = adapter
     handles = [app.engine.submit(r) for r in plan.requests]
     _wait_all(app, handles)
-    return 200, build_completion_response(plan, [h.completions for h in handles], app.ctx)
+    return 200, build_completion_response(plan, [h.completions for h in handles], ctx)
+
+
+def generate(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, Payload]:
+    """vLLM's ``/inference/v1/generate`` (tokens in, tokens + log-probs + sampling masks out; ``generate.py``)."""
+    req = _json_body(body)
+    ctx, adapter = lora.for_request(app, req)  # "model" may name a LoRA adapter
+    plan = parse_generate_request(req, ctx)
+    plan.request.adapter = adapter
+    handle = app.engine.submit(plan.request)
+    _wait_all(app, [handle])
+    return 200, build_generate_response(plan, handle.completions, ctx)
 
 
 def models(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, Payload]:
@@ -97,7 +122,8 @@ def models(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, P
         "max_model_len": app.ctx.max_model_len,
         "permission": [],
     }
-    return 200, {"object": "list", "data": [card]}
+    adapters = app.adapters.cards() if app.adapters is not None else []
+    return 200, {"object": "list", "data": [card, *adapters]}
 
 
 def health(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, Payload]:
@@ -177,10 +203,11 @@ def server_info(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[i
         "max_model_len": app.ctx.max_model_len,
         "max_logprobs": app.ctx.max_logprobs,
         "logprobs_mode": "processed_logprobs",
+        "return_sampling_mask": True,  # /inference/v1/generate returns each token's candidate set
     }
     config = {
         "model_config": model_config,
-        "lora_config": None,
+        "lora_config": app.adapters.server_config() if app.adapters is not None else None,
         "parallel_config": {"data_parallel_size": 1, "tensor_parallel_size": 1, "pipeline_parallel_size": 1},
         "cache_config": {
             "block_size": 1,
@@ -188,6 +215,8 @@ def server_info(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[i
             "enable_prefix_caching": app.cfg.prefix_cache_size > 0,
         },
         "scheduler_config": {"max_num_seqs": app.cfg.max_num_seqs},
+        "device_config": {"device": str(app.weight_transfer.device)},
+        "weight_transfer_config": {"backend": "nccl"} if app.weight_transfer.supported else None,
     }
     if query.get("config_format", "text") == "json":
         return 200, {"vllm_config": config, "server": "asyncgrpo-embedded"}
@@ -198,6 +227,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", "/health"): health,
     ("GET", "/v1/models"): models,
     ("POST", "/v1/completions"): completions,
+    ("POST", "/inference/v1/generate"): generate,
     ("GET", "/metrics"): metrics,
     ("POST", "/pause"): pause,
     ("POST", "/resume"): resume,
@@ -208,6 +238,8 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", "/weight_info"): weight_info,
     ("GET", "/get_world_size"): world_size,
     ("GET", "/server_info"): server_info,
+    **weight_transfer.ROUTES,
+    **lora.ROUTES,
 }
 
 
@@ -216,6 +248,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "asyncgrpo-embedded"
     timeout = 600  # seconds an idle keep-alive connection is held open
+    disable_nagle_algorithm = True  # headers and body leave at once, not after the client's 40 ms delayed ACK
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         self._dispatch("GET")
@@ -309,7 +342,7 @@ def build_app(model_dir: str, cfg: EmbeddedServerConfig, served_model_name: str 
             f"server.embedded.kv_cache_tokens ({cfg.kv_cache_tokens}) must hold at least one "
             f"server.embedded.max_model_len ({cfg.max_model_len}) sequence; raise kv_cache_tokens."
         )
-    model = load_model(model_dir, cfg.dtype)
+    model = load_model(model_dir, cfg.dtype, serving_device(cfg.device))
     max_pos = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if max_pos is not None and cfg.max_model_len > max_pos:
         raise UserError(
@@ -332,7 +365,29 @@ def build_app(model_dir: str, cfg: EmbeddedServerConfig, served_model_name: str 
         max_model_len=cfg.max_model_len,
         defaults=sampling_defaults(model_dir),
     )
-    return EmbeddedApp(engine=engine, ctx=ctx, model_dir=model_dir, cfg=cfg, dtype_name=str(model.dtype))
+    adapters = lora.AdapterSet(model, ctx.served_name) if cfg.enable_lora else None
+    return EmbeddedApp(engine=engine, ctx=ctx, model_dir=model_dir, cfg=cfg, dtype_name=str(model.dtype),
+                       adapters=adapters)
+
+
+def serving_device(name: str):
+    """``server.embedded.device`` as a torch device (made current on CUDA); a clear error when unusable."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"server.embedded.device ({name!r}) is not a device: use cpu or cuda:N") from None
+    if device.type == "cuda":
+        if device.index is None or not 0 <= device.index < torch.cuda.device_count():
+            raise UserError(
+                f"server.embedded.device={name}: this host has {torch.cuda.device_count()} CUDA device(s); "
+                "name one as cuda:N (another GPU than the trainer's), or use cpu"
+            )
+        torch.cuda.set_device(device)
+    elif device.type != "cpu":
+        raise UserError(f"server.embedded.device ({name!r}) must be cpu or cuda:N")
+    return device
 
 
 def default_num_threads() -> int:
@@ -439,6 +494,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--num-threads", type=int, default=d.num_threads)
     p.add_argument("--prefix-cache-size", type=int, default=d.prefix_cache_size)
+    p.add_argument("--device", default=d.device, help="cpu or cuda:N")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters loaded at runtime")
     p.add_argument(
         "--exit-with-parent",
         action="store_true",
@@ -459,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         num_threads=args.num_threads,
         prefix_cache_size=args.prefix_cache_size,
+        device=args.device,
+        enable_lora=args.enable_lora,
     )
     if args.exit_with_parent:
         _watch_parent(os.getppid())

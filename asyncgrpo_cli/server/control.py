@@ -88,6 +88,33 @@ class ServerControl:
     def update_weight_version(self, version: str) -> None:
         self._json("POST", "/update_weight_version", json={"new_version": version}, allow_404=True)
 
+    def weight_version(self) -> str | None:
+        data = self._json("GET", "/weight_info", allow_404=True)
+        return str(data["weight_version"]) if isinstance(data, dict) and "weight_version" in data else None
+
+    # -- NCCL weight transfer (vllm-rl-api.md 1.3) ----------------------------------------------------------
+    def world_size(self) -> int:
+        """Inference workers that join the NCCL group (``GET /get_world_size``)."""
+        return int(self._json("GET", "/get_world_size")["world_size"])
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any], timeout: float) -> None:
+        """Blocks until every worker joined the rendezvous: call it while this side joins too."""
+        self._json("POST", "/init_weight_transfer_engine", json={"init_info": init_info}, timeout=timeout)
+
+    def start_weight_update(self) -> None:
+        self._json("POST", "/start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any], timeout: float) -> None:
+        """Returns once the workers received every tensor: call it while the broadcast runs."""
+        self._json("POST", "/update_weights", json={"update_info": update_info}, timeout=timeout)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        body = {"weight_version": weight_version} if weight_version is not None else {}
+        self._json("POST", "/finish_weight_update", json=body)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._json("POST", "/shutdown_weight_transfer_engine", allow_404=True)
+
     # -- internals -----------------------------------------------------------------------------------------
     def _json(
         self, method: str, path: str, *, allow_404: bool = False, timeout: float | None = None, **kwargs: Any
@@ -103,6 +130,11 @@ class ServerControl:
             "/resume",
             "/collective_rpc",
             "/reset_prefix_cache",
+            "/get_world_size",
+            "/init_weight_transfer_engine",
+            "/start_weight_update",
+            "/update_weights",
+            "/finish_weight_update",
         ):
             raise UserError(
                 f"{self.base_url}{path} does not exist: start vLLM with VLLM_SERVER_DEV_MODE=1 (the "

@@ -22,14 +22,16 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from asyncgrpo_cli.server.kvcache import BatchKV, PrefixCache, RowKV, forward, prefill
+from asyncgrpo_cli.server.lora import LoadedAdapter, lora_batch
 from asyncgrpo_cli.server.model import load_weights_dir
 from asyncgrpo_cli.server.sampling import BatchParams, SampleOutput, SamplingParams, sample
 
@@ -49,8 +51,12 @@ class GenerationRequest:
     """Choice ``i`` samples from a generator seeded with ``seed + i`` (vLLM's child seeds)."""
     num_logprobs: int = 0
     """Top log-probs returned per token (besides the sampled token's own)."""
+    return_sampling_mask: bool = False
+    """Record each token's candidate set (``sampling.candidate_sets``; ``/inference/v1/generate``)."""
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    adapter: LoadedAdapter | None = None
+    """The LoRA adapter this request is served with (``server/lora.py``); None: the base model."""
 
 
 @dataclass
@@ -60,6 +66,10 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
+    """vLLM rank of each sampled token (1 = the most likely)."""
+    sampling_mask: list[np.ndarray | None] | None = None
+    """Per token, its candidate set (int32 ids) when the request asked for them; None entries: not truncated."""
     finish_reason: str | None = None
     stop_reason: int | None = None
     """The stop token when a ``stop_token_ids`` entry (not EOS) ended the choice, as vLLM reports it."""
@@ -113,6 +123,11 @@ class _Seq:
     @property
     def reserved(self) -> int:
         return len(self.prompt) + self.request.max_tokens
+
+    @property
+    def key(self) -> tuple[LoadedAdapter | None, tuple[int, ...]]:
+        """What a prompt's KV depends on: the prompt and the adapter (prefill sharing, the prefix cache)."""
+        return self.request.adapter, self.prompt
 
 
 @dataclass
@@ -261,6 +276,13 @@ class GenerationEngine:
             self.prefix_cache.clear()
         return count
 
+    def apply_weights(self, update: Callable[[torch.nn.Module], None]) -> None:
+        """Run ``update(model)`` between engine steps (a weight transfer writing into the model in place); clear
+        the prefix cache, whose KV came from the old weights."""
+        with self._control():
+            update(self.model)
+            self.prefix_cache.clear()
+
     def stats(self) -> EngineStats:
         return EngineStats(
             running=len(self._running),
@@ -363,11 +385,11 @@ class GenerationEngine:
                 break
             if self._reserved + seq.reserved > self.kv_cache_tokens:
                 break
-            cost = 0 if seq.prompt in planned or seq.prompt in self.prefix_cache else len(seq.prompt)
+            cost = 0 if seq.key in planned or seq.key in self.prefix_cache else len(seq.prompt)
             if cost and new and cost > prefill_budget:
                 break
             prefill_budget -= cost
-            planned.add(seq.prompt)
+            planned.add(seq.key)
             self._waiting.popleft()
             self._reserved += seq.reserved
             self.prompt_tokens_total += len(seq.prompt)
@@ -378,32 +400,34 @@ class GenerationEngine:
         """Prompt KV and first logits of the new sequences; each distinct prompt is prefilled once."""
         if not new:
             return [], None
-        found: dict[tuple[int, ...], tuple[RowKV, torch.Tensor]] = {}
-        todo: dict[tuple[int, ...], None] = {}  # distinct prompts to prefill, in order
+        found: dict[tuple, tuple[RowKV, torch.Tensor]] = {}
+        todo: dict[tuple, None] = {}  # distinct (adapter, prompt) keys to prefill, in order
         for seq in new:
-            if seq.prompt in found or seq.prompt in todo:
+            if seq.key in found or seq.key in todo:
                 continue
-            hit = self.prefix_cache.get(seq.prompt)
+            hit = self.prefix_cache.get(seq.key)
             if hit is not None:
-                found[seq.prompt] = hit
+                found[seq.key] = hit
             else:
-                todo[seq.prompt] = None
-        for chunk in _chunks_by_tokens(sorted(todo, key=len), self.max_prefill_tokens):
-            rows, logits = prefill(self.model, chunk)
-            self.prefill_tokens_total += sum(len(p) for p in chunk)
-            for prompt, row, lg in zip(chunk, rows, logits):
-                found[prompt] = (row, lg)
-                self.prefix_cache.put(prompt, row, lg)
-        return [found[s.prompt][0] for s in new], torch.stack([found[s.prompt][1] for s in new])
+                todo[seq.key] = None
+        for chunk in _chunks_by_tokens(sorted(todo, key=lambda k: len(k[1])), self.max_prefill_tokens):
+            with lora_batch(self.model, [adapter for adapter, _ in chunk]):
+                rows, logits = prefill(self.model, [prompt for _, prompt in chunk])
+            self.prefill_tokens_total += sum(len(p) for _, p in chunk)
+            for key, row, lg in zip(chunk, rows, logits):
+                found[key] = (row, lg)
+                self.prefix_cache.put(key, row, lg)
+        return [found[s.key][0] for s in new], torch.stack([found[s.key][1] for s in new])
 
     def _decode_forward(self) -> torch.Tensor | None:
         if not self._running:
             return None
         tokens = torch.tensor([s.out.token_ids[-1] for s in self._running], dtype=torch.int64)[:, None]
         mask, positions = self._kv.decode_inputs()
-        logits = forward(
-            self.model, self._kv.cache, input_ids=tokens, attention_mask=mask, position_ids=positions
-        )
+        with lora_batch(self.model, [s.request.adapter for s in self._running]):
+            logits = forward(
+                self.model, self._kv.cache, input_ids=tokens, attention_mask=mask, position_ids=positions
+            )
         self._kv.advance()
         return logits
 
@@ -419,6 +443,7 @@ class GenerationEngine:
             shared_generator=self._shared_gen,
             seen=seen,
             num_top=num_top,
+            want_masks=[s.request.return_sampling_mask for s in rows],
         )
 
     def _seen_mask(self, rows: Sequence[_Seq], vocab: int) -> torch.Tensor:
@@ -439,11 +464,17 @@ class GenerationEngine:
         """Append each row's token; return the indices of rows that finished."""
         ids, lps = out.token_ids.tolist(), out.logprobs.tolist()
         top_ids, top_lps = out.top_ids.tolist(), out.top_logprobs.tolist()
+        ranks = out.ranks.tolist() if out.ranks is not None else [None] * len(rows)
         finished = set()
         for i, seq in enumerate(rows):
             tok, comp = ids[i], seq.out
             comp.token_ids.append(tok)
             comp.logprobs.append(lps[i])
+            comp.ranks.append(ranks[i])
+            if seq.request.return_sampling_mask:
+                if comp.sampling_mask is None:
+                    comp.sampling_mask = []
+                comp.sampling_mask.append(out.sampling_masks[i] if out.sampling_masks else None)
             n = seq.request.num_logprobs
             if n:
                 comp.top.append(list(zip(top_ids[i][:n], top_lps[i][:n])))
@@ -482,11 +513,12 @@ class GenerationEngine:
         self._reserved = 0
 
 
-def _chunks_by_tokens(prompts: Sequence[tuple[int, ...]], budget: int) -> list[list[tuple[int, ...]]]:
-    """Split prompts (sorted by length) into prefill batches whose padded size stays within ``budget`` tokens."""
-    chunks: list[list[tuple[int, ...]]] = []
-    for p in prompts:
-        if chunks and (len(chunks[-1]) + 1) * max(len(p), len(chunks[-1][-1])) <= budget:
+def _chunks_by_tokens(keys: Sequence[tuple], budget: int) -> list[list[tuple]]:
+    """Split ``(adapter, prompt)`` keys (sorted by prompt length) into prefill batches whose padded size stays
+    within ``budget`` tokens."""
+    chunks: list[list[tuple]] = []
+    for p in keys:
+        if chunks and (len(chunks[-1]) + 1) * max(len(p[1]), len(chunks[-1][-1][1])) <= budget:
             chunks[-1].append(p)
         else:
             chunks.append([p])

@@ -34,9 +34,12 @@ def _cache_kwarg(model_cls: type) -> str:
 
 def forward(model: torch.nn.Module, cache: Cache, **inputs: torch.Tensor | int | bool) -> torch.Tensor:
     """``model(**inputs)`` with ``cache`` (transformers >= 5.2x) or ``past_key_values`` (earlier 5.x); returns logits
-    of the last position, float32 ``[B, V]``."""
+    of the last position, float32 ``[B, V]``, on the CPU. Inputs are built on the CPU and moved to the model's
+    device (a GPU-served model keeps its KV cache there; sampling runs on the CPU)."""
+    device = next(model.parameters()).device
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     out = model(**inputs, **{_cache_kwarg(type(model)): cache}, use_cache=True)
-    return out.logits[:, -1, :].float()
+    return out.logits[:, -1, :].float().cpu()
 
 
 class SlabLayer(DynamicLayer):
@@ -123,6 +126,7 @@ class BatchKV:
             vbuf = ref.new_zeros((len(lengths), heads, capacity, dim))
             if n_keep:
                 old = old_layers[li]
+                keep_idx = keep_idx.to(old.keys.device)
                 kbuf[:n_keep, :, width - m : width] = old.keys[keep_idx, :, self.width - m :]
                 vbuf[:n_keep, :, width - m : width] = old.values[keep_idx, :, self.width - m :]
             for j, row in enumerate(new_rows):

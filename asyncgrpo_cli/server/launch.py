@@ -77,10 +77,13 @@ class EmbeddedServerProcess:
             "--kv-cache-tokens": c.kv_cache_tokens,
             "--dtype": c.dtype,
             "--prefix-cache-size": c.prefix_cache_size,
+            "--device": c.device,
             "--num-threads": c.num_threads,
             "--served-model-name": self.served_model_name,
         }
         cmd = [sys.executable, "-m", "asyncgrpo_cli.server.app", "--exit-with-parent"]
+        if c.enable_lora:
+            cmd.append("--enable-lora")
         for flag, value in flags.items():
             if value is not None:
                 cmd += [flag, str(value)]

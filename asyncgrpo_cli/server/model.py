@@ -18,13 +18,13 @@ def resolve_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32") -> torch.nn.Module:
-    """Load a causal LM for serving (SDPA attention, eval mode, no grad)."""
+def load_model(model_dir: str | Path, dtype: str = "float32", device: str | torch.device = "cpu") -> torch.nn.Module:
+    """Load a causal LM for serving on ``device`` (SDPA attention, eval mode, no grad)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=resolve_dtype(dtype), attn_implementation="sdpa"
-    )
+    ).to(device)
     model.eval()
     model.requires_grad_(False)
     layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []

@@ -3,8 +3,10 @@
 ``read_server`` asks the server, without changing its state (no pause, no generation): ``/v1/models`` (served
 names, ``max_model_len``), ``GET /is_paused`` (the dev routes exist: ``VLLM_SERVER_DEV_MODE=1``),
 ``/server_info?config_format=json`` (logprobs mode, ``--max-logprobs``, dtype, device, worker extension,
-weight-transfer backend) and ``/version``. ``find_problems`` compares that report with the config, on plain data.
-``probe_server`` does both and raises one ``UserError`` listing every problem with its fix, and, for a vLLM
+weight-transfer backend, ``--return-sampling-mask``), ``/version``, and ``POST /inference/v1/generate`` with an
+empty body, which vLLM rejects without generating: 403 without ``--enable-scale-out``, 404 before the route
+existed, a validation error (400 / 422) when it is served. ``find_problems`` compares that report with the
+config, on plain data (sampling-mask findings: ``server/mask_support.py``). ``probe_server`` does both and raises one ``UserError`` listing every problem with its fix, and, for a vLLM
 server, the exact ``vllm serve`` command that fixes them all. ``asyncgrpo check --probe-server`` and ``train``
 (right after the server is up) run it. Every request has a timeout; a server that answers garbage is an error.
 """
@@ -21,11 +23,13 @@ import httpx
 from asyncgrpo_cli.config.schema import RootConfig, VllmLaunchConfig
 from asyncgrpo_cli.errors import UserError
 from asyncgrpo_cli.server.control import ServerControl
+from asyncgrpo_cli.sync.lora_policy import ServerLora, lora_problems
 from asyncgrpo_cli.vllm_ext import EXTENSION_CLS
 
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 30.0
+GENERATE_ROUTE = "/inference/v1/generate"
 PROCESSED = "processed_logprobs"
 
 
@@ -48,10 +52,26 @@ class ServerReport:
     dtype: str | None = None
     """Serving dtype without the ``torch.`` prefix (``float32``, ``bfloat16``)."""
     device: str | None = None
-    """``cpu``, ``cuda``, ...; None when the server does not say (the embedded server)."""
+    """``cpu``, ``cuda``, ...; None when the server does not say."""
     worker_extension: str | None = None
     weight_transfer_backend: str | None = None
     version: str | None = None
+    lora: ServerLora | None = None
+    """LoRA serving (``lora_config``: ``--enable-lora``, ``--max-lora-rank``, ``--max-loras``; data parallelism)."""
+    lora_loading: bool | None = None
+    """``/v1/load_lora_adapter`` exists (vLLM: ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``); None: not asked."""
+    api_server_count: int | None = None
+    """``--api-server-count`` when ``/server_info`` says (``parallel_config._api_process_count``)."""
+    return_sampling_mask: bool | None = None
+    """``--return-sampling-mask`` (``model_config.return_sampling_mask``); the embedded server reports true."""
+    generate_route: str | None = None
+    """``POST /inference/v1/generate``: ``enabled``, ``disabled`` (403: no ``--enable-scale-out``), ``missing``
+    (404 / 405: vLLM too old), None when the answer says neither (e.g. 401 behind an API key)."""
+
+    @property
+    def returns_sampling_mask(self) -> bool:
+        """Each generated token's candidate set comes back (through ``/inference/v1/generate``)."""
+        return self.generate_route == "enabled" and self.return_sampling_mask is True
 
     @property
     def is_cpu_vllm(self) -> bool:
@@ -133,11 +153,31 @@ def read_server(control: ServerControl) -> ServerReport:
         info = _get(client, "/server_info", {"config_format": "json"})
         if info.status_code == 200:
             _read_server_info(report, _json(info, "GET /server_info"))
+        report.generate_route = _generate_route(client)
+        report.lora_loading = _get(client, "/v1/load_lora_adapter").status_code == 405  # POST-only: it exists
         version = _get(client, "/version")
         if version.status_code == 200:
             data = _json(version, "GET /version")
             report.version = str(data.get("version")) if isinstance(data, dict) else None
     return report
+
+
+def _generate_route(client: httpx.Client) -> str | None:
+    """Whether ``POST /inference/v1/generate`` is served, from its answer to an empty body (nothing is generated)."""
+    try:
+        status = client.post(GENERATE_ROUTE, json={}).status_code
+    except httpx.HTTPError as e:
+        raise UserError(
+            f"the generation server at {client.base_url} did not answer POST {GENERATE_ROUTE} within "
+            f"{PROBE_TIMEOUT_S:g}s ({type(e).__name__}: {e}); is it running?"
+        ) from e
+    if status == 403:
+        return "disabled"
+    if status in (404, 405):
+        return "missing"
+    if status in (200, 400, 422):
+        return "enabled"
+    return None
 
 
 def _read_server_info(report: ServerReport, data: Any) -> None:
@@ -158,8 +198,12 @@ def _read_server_info(report: ServerReport, data: Any) -> None:
     device = _mapping(config.get("device_config")).get("device")
     report.device = str(device).split(":")[0] if device else None
     report.worker_extension = parallel.get("worker_extension_cls") or None
+    mask = model_config.get("return_sampling_mask")
+    report.return_sampling_mask = bool(mask) if mask is not None else None
     transfer = config.get("weight_transfer_config")
     report.weight_transfer_backend = _mapping(transfer).get("backend") if transfer else None
+    report.lora = ServerLora.from_vllm_config(config)
+    report.api_server_count = _int_or_none(parallel.get("_api_process_count"))
 
 
 def server_config(control: ServerControl) -> dict[str, Any]:
@@ -246,6 +290,10 @@ def find_problems(report: ServerReport, cfg: RootConfig, prompt_tokens: int | No
                 ["--worker-extension-cls", EXTENSION_CLS],
             )
         )
+    from asyncgrpo_cli.server.mask_support import mask_problems
+
+    out += mask_problems(report, cfg)
+    out += lora_problems(report, cfg)
     if sv.weight_sync == "nccl" and not report.embedded:
         if report.is_cpu_vllm:
             out.append(
@@ -261,6 +309,13 @@ def find_problems(report: ServerReport, cfg: RootConfig, prompt_tokens: int | No
                     ["--weight-transfer-config", '{"backend": "nccl"}'],
                 )
             )
+    if sv.weight_sync == "nccl" and report.embedded and report.weight_transfer_backend != "nccl":
+        out.append(
+            Problem(
+                f"server.weight_sync=nccl needs the embedded server on a GPU; it runs on {report.device or 'cpu'}",
+                config_fix="server.embedded.device=cuda:N (another GPU than the trainer's)",
+            )
+        )
     return out
 
 
@@ -276,7 +331,12 @@ def _len_fix(backend: str, need_len: int, completion: int) -> str:
 
 def fix_command(report: ServerReport, cfg: RootConfig, model_path: str | None = None) -> str:
     """The ``vllm serve`` command line that gives the server every capability the run needs."""
-    from asyncgrpo_cli.server.vllm_launch import CPU_SERVER_MODULE, extension_pythonpath, serve_flags
+    from asyncgrpo_cli.server.vllm_launch import (
+        CPU_SERVER_MODULE,
+        LORA_ENV,
+        extension_pythonpath,
+        serve_flags,
+    )
 
     s = cfg.sampling
     need_len = max(report.max_model_len or 0, s.max_completion_length + 1)
@@ -295,8 +355,19 @@ def fix_command(report: ServerReport, cfg: RootConfig, model_path: str | None = 
     model = report.model or model_path or cfg.model.name_or_path
     if name == model:
         name = None
-    flags = serve_flags(launch, served_model_name=name, cpu=report.is_cpu_vllm)
+    from asyncgrpo_cli.server.mask_support import suggest_mask_flags
+
+    lora = cfg.server.weight_sync == "lora"
+    if lora:  # the limits adapter sync needs (derived by config validation when left null)
+        need = cfg.server.vllm_launch
+        launch = replace(launch, max_lora_rank=need.max_lora_rank, max_loras=need.max_loras)
+    flags = serve_flags(
+        launch, served_model_name=name, cpu=report.is_cpu_vllm, sampling_mask=suggest_mask_flags(report, cfg),
+        lora=lora,
+    )
     env = f"VLLM_SERVER_DEV_MODE=1 PYTHONPATH={shlex.quote(str(extension_pythonpath()))}"
+    if lora:
+        env += "".join(f" {k}={v}" for k, v in LORA_ENV.items())
     if report.is_cpu_vllm:
         head = ["python", "-m", CPU_SERVER_MODULE, "--model", model]
     else:
@@ -316,7 +387,8 @@ def probe_server(
     problems = find_problems(report, cfg, prompt_tokens)
     if not problems:
         log.info(
-            "server probe OK: %s serves %s (vLLM %s, %s, max_model_len %s, max_logprobs %s, worker extension %s)",
+            "server probe OK: %s serves %s (vLLM %s, %s, max_model_len %s, max_logprobs %s, worker extension %s, "
+            "sampling masks %s)",
             report.base_url,
             report.model_ids[0],
             report.version or "-",
@@ -324,6 +396,7 @@ def probe_server(
             report.max_model_len,
             report.max_logprobs,
             "yes" if report.has_extension else "no",
+            "yes" if report.returns_sampling_mask else "no",
         )
         return report
     lines = [f"the generation server at {report.base_url} cannot run this config:"]

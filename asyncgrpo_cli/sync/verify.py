@@ -3,15 +3,16 @@
 A sync can "succeed" without taking: the server reloads another directory, a CPU vLLM keeps its tied ``lm_head``
 pre-packed from the old weights, an adapter is never delivered. Rollouts then come from a policy the trainer
 does not have, and nothing fails. This check makes that loud, cheaply: the server continues a fixed probe text
-greedily (``PROBE_NEW_TOKENS`` tokens, ``temperature=0``, neutral penalties; vLLM's processed log-probs of a
-greedy request are the raw log-softmax, on every ``--logprobs-mode``), the trainer scores the same tokens with
-its own forward, and the mean absolute gap is logged as ``sync/logprob_gap`` (max: ``sync/logprob_gap_max``).
+(``PROBE_NEW_TOKENS`` tokens sampled at temperature 1 with nothing truncated: top_k = the vocabulary size,
+top_p 1, min_p 0, neutral penalties; the processed log-probs of such a request are the raw log-softmax, on every
+``--logprobs-mode``), the trainer scores the same tokens with its own forward, and the mean absolute gap is logged as ``sync/logprob_gap`` (max: ``sync/logprob_gap_max``).
 Above the tolerance (``server.verify_sync_tolerance``, default by the coarser of the trainer's and the server's
 dtype) it raises :class:`WeightSyncMismatchError` naming the version, the gap and what to check.
 
 What it can see: a sync that did not take shows once the trained policy has moved further from what the server
 serves than the dtype's noise; in float32 that is after the first step or so, in bfloat16 it may take several
-steps at a small learning rate. The greedy request works on the embedded server and on vLLM alike.
+steps at a small learning rate. The request works on the embedded server and on vLLM alike (also with
+``--return-sampling-mask``, which refuses greedy requests).
 
 With several trainer ranks, rank 0 asks the server and broadcasts the tokens; every rank runs the (sharded)
 forward; rank 0's verdict is broadcast so every rank raises together.
@@ -53,7 +54,7 @@ class WeightSyncMismatchError(RuntimeError):
 
 @dataclass
 class ServerScore:
-    """The server's greedy continuation of the probe: all token ids and the continuation's log-probs."""
+    """The server's continuation of the probe: all token ids and the continuation's log-probs."""
 
     prompt_ids: list[int]
     output_ids: list[int]
@@ -84,16 +85,26 @@ def probe_prompt_ids(tokenizer: Any) -> list[int]:
 
 
 def server_score(
-    client: httpx.Client, model: str, prompt_ids: list[int], max_tokens: int = PROBE_NEW_TOKENS
+    client: httpx.Client,
+    model: str,
+    prompt_ids: list[int],
+    max_tokens: int = PROBE_NEW_TOKENS,
+    *,
+    vocab_size: int | None = None,
 ) -> ServerScore:
-    """Greedy continuation with the sampled tokens' log-probs; neutral penalties so no server default applies."""
+    """A sampled continuation (temperature 1) with its tokens' log-probs; neutral penalties so no server default
+    applies. ``top_k`` = the vocabulary size truncates nothing yet is a request vLLM with
+    ``--return-sampling-mask`` accepts (it refuses greedy requests and top_k 0); the trainer scores the same tokens
+    at temperature 1."""
     from asyncgrpo_cli.rollout.client import parse_choice
 
     payload = {
         "model": model,
         "prompt": list(prompt_ids),
         "max_tokens": max_tokens,
-        "temperature": 0.0,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "min_p": 0.0,
         "repetition_penalty": 1.0,
         "presence_penalty": 0.0,
         "frequency_penalty": 0.0,
@@ -103,6 +114,8 @@ def server_score(
         "return_tokens_as_token_ids": True,
         "n": 1,
     }
+    if vocab_size:
+        payload["top_k"] = vocab_size
     try:
         resp = client.post("/v1/completions", json=payload)
     except httpx.HTTPError as e:
@@ -121,6 +134,11 @@ def server_score(
     if not turn.output_ids:
         raise ServerControlError("the weight-sync probe got an empty completion")
     return ServerScore(list(prompt_ids), turn.output_ids, turn.output_log_probs)
+
+
+def _vocab_size(model: Any) -> int | None:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return int(head.weight.shape[0]) if head is not None and hasattr(head, "weight") else None
 
 
 def trainer_logprobs(model: Any, prompt_ids: list[int], output_ids: list[int]) -> list[float]:
@@ -197,8 +215,9 @@ class SyncVerifier:
             base_url=self.control.base_url, timeout=httpx.Timeout(self.control.timeout, connect=10.0)
         )
 
-    def check(self, model: Any, version: int) -> dict[str, float]:
-        """Score the probe on the server and in ``model``; raise when the gap is above the tolerance."""
+    def check(self, model: Any, version: int, served_name: str | None = None) -> dict[str, float]:
+        """Score the probe on the server (under ``served_name``, e.g. the version's LoRA adapter; default: the
+        served model) and in ``model``; raise when the gap is above the tolerance."""
         t0 = time.monotonic()
         rank, world = _world()
         score = None
@@ -209,12 +228,14 @@ class SyncVerifier:
             if self._prompt_ids is None:
                 self._prompt_ids = probe_prompt_ids(self.tokenizer)
             assert self._client is not None and self._model_name is not None
-            score = server_score(self._client, self._model_name, self._prompt_ids)
+            score = server_score(
+                self._client, served_name or self._model_name, self._prompt_ids, vocab_size=_vocab_size(model)
+            )
         score = _broadcast(score, world)
         mine = trainer_logprobs(model, score.prompt_ids, score.output_ids)
         verdict: tuple[str | None, dict[str, float]] = (None, {})
         if rank == 0:
-            verdict = self._judge(model, version, score, mine)
+            verdict = self._judge(model, version, score, mine, served_name)
         message, metrics = _broadcast(verdict, world)
         if message is not None:
             raise WeightSyncMismatchError(message)
@@ -223,7 +244,7 @@ class SyncVerifier:
         return metrics
 
     def _judge(
-        self, model: Any, version: int, score: ServerScore, mine: list[float]
+        self, model: Any, version: int, score: ServerScore, mine: list[float], served_name: str | None = None
     ) -> tuple[str | None, dict[str, float]]:
         gaps = [abs(a - b) for a, b in zip(score.logprobs, mine)]
         gap, worst = sum(gaps) / len(gaps), max(gaps)
@@ -238,10 +259,11 @@ class SyncVerifier:
             return None, metrics
         where = f" ({self.sync_dir})" if self.sync_dir else ""
         message = (
-            f"weight sync to version {version} did not take: on a fixed probe ({len(gaps)} greedy tokens) the "
+            f"weight sync to version {version} did not take: on a fixed probe ({len(gaps)} sampled tokens) the "
             f"server's log-probs differ from the trainer's by {gap:.3g} nats on average (max {worst:.3g}), above "
             f"the tolerance {tol:g} ({tol_from}; trainer {dtype_name(trainer_dtype) or trainer_dtype}, server "
-            f"{self._server_dtype or 'dtype unknown'}). The server is not serving the trained weights. Check that "
+            f"{self._server_dtype or 'dtype unknown'}). The server is not serving the trained weights"
+            f"{f' under {served_name!r} (the LoRA adapter of this version)' if served_name else ''}. Check that "
             f"it reads server.weight_sync_dir{where} on the same filesystem, that a CPU vLLM runs with "
             "--worker-extension-cls asyncgrpo_cli.vllm_ext.WorkerExtension (its tied lm_head keeps the old "
             "weights otherwise), that its --dtype matches model.dtype, and that nothing else reloads it. Raise "
@@ -272,7 +294,8 @@ def verify_weight_sync(
     Every rank calls it (the forward may be sharded). Returns the metrics to log on rank 0 (``sync/logprob_gap``,
     ``sync/logprob_gap_max``, ``perf/weight_sync_verify_s``) and ``{}`` elsewhere; raises
     :class:`WeightSyncMismatchError` on every rank when the gap is above the tolerance. One verifier is kept
-    per ``weight_sync`` object (it caches the probe tokens and the served model's name).
+    per ``weight_sync`` object (it caches the probe tokens and the served model's name). A backend that serves
+    each version under its own name (LoRA adapters) says which through ``weight_sync.served_name(version)``.
     """
     verifier = _verifiers.get(weight_sync)
     if verifier is None:
@@ -286,4 +309,5 @@ def verify_weight_sync(
         )
         _verifiers[weight_sync] = verifier
         weakref.finalize(weight_sync, verifier.close)
-    return verifier.check(model, version)
+    served_name = getattr(weight_sync, "served_name", None)  # lora: the version's adapter name
+    return verifier.check(model, version, served_name(version) if callable(served_name) else None)

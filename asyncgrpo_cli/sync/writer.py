@@ -3,7 +3,8 @@
 Every rank gathers full tensors in lockstep on the training thread (``iter_full_state``); rank 0 hands them to a
 writer thread through a 2-deep queue and the writer closes a shard file each time the decoder layer changes, so
 peak extra memory is about two layers whatever the model size. An index (``model.safetensors.index.json``) maps
-every tensor to its shard, as ``from_pretrained``, vLLM's loader and the embedded server expect.
+every tensor to its shard, as ``from_pretrained``, vLLM's loader and the embedded server expect. A LoRA model
+is written with its adapter merged in (``model.lora.merged_items``): a plain model, whatever trains.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo_cli.model.lora import merged_items
 from asyncgrpo_cli.train.distributed import DistInfo, iter_full_state
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -80,7 +82,7 @@ def write_full_state(model: Any, info: DistInfo, out_dir: Path) -> None:
     writer = _ShardWriter(out_dir, items)
     writer.start()
     try:
-        for item in iter_full_state(model, info, skip):
+        for item in merged_items(model, iter_full_state(model, info, skip)):  # a LoRA model: merged weights
             _put(items, item, writer)
         _put(items, _DONE, writer)
     finally:

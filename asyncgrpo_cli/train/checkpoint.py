@@ -5,6 +5,7 @@ Layout of ``checkpoints/step-NNNNNN/``::
 
     dcp/                  model + optimizer state, sharded (DCP): resumes on the same or another world size
     model/                the policy as HF safetensors shards + config + tokenizer (``from_pretrained``-able)
+    adapter/              with model.lora: the LoRA adapter (PEFT layout); model/ then holds merged weights
     scheduler.pt, rng-<rank>.pt, trainer_state.json, rollout_state.json
 
 Written atomically: everything goes into ``.step-NNNNNN.tmp`` which rank 0 renames once every rank is done, so a
@@ -69,6 +70,7 @@ def save_checkpoint(run_dir: Path, model: Any, tokenizer: Any, optimizer: torch.
                     info: DistInfo | None = None, save_hf_model: bool = True) -> Path:
     import torch.distributed.checkpoint as dcp
 
+    from asyncgrpo_cli.model.lora import has_lora, save_adapter
     from asyncgrpo_cli.sync.writer import write_full_state
 
     info = info or DistInfo()
@@ -82,6 +84,8 @@ def save_checkpoint(run_dir: Path, model: Any, tokenizer: Any, optimizer: torch.
     dcp.save(_training_state(model, optimizer), checkpoint_id=str(tmp / "dcp"))
     if save_hf_model:
         write_full_state(model, info, tmp / "model")
+    if has_lora(model):  # the trained adapter itself, loadable with PEFT or by a server
+        save_adapter(model, info, tmp / "adapter")
     torch.save(_rng_state(), tmp / f"rng-{info.rank}.pt")
     if info.is_main:
         if save_hf_model:

@@ -2,12 +2,18 @@
 
 Rank 0 owns the rollout process and the server connection; it plans each optimizer step and scatters one row
 per rank per micro-batch (``scatter_step``). Every collective is entered by every rank in the same order,
-including ranks whose micro-batch trains no token. With one process everything here is a no-op, so the same
-training loop serves both cases.
+including ranks whose micro-batch trains no token. With one process the collectives here are no-ops, so the
+same training loop serves both cases.
 
 The loss scale: FSDP2 averages gradients over ranks, so each rank multiplies its micro-batch loss (already
 divided by the step's global trained-token count) by the world size; the summed gradient is then exactly the
 full-batch token mean.
+
+On CUDA the process group is ``cpu:gloo,cuda:nccl``: NCCL carries the training collectives, gloo the object
+collectives and whatever runs on CPU tensors (FSDP2 CPU offload keeps shards, gradients and the optimizer on the
+CPU, so the gradient-norm reduction and the weight gathers of a sync or checkpoint run there). One process with
+``trainer.mixed_precision`` or ``trainer.cpu_offload`` also goes through FSDP2, over a one-rank group, so one GPU
+and many take the same numerical path.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from asyncgrpo_cli.errors import UserError
 from asyncgrpo_cli.rollout.types import TrainingSequence
 
 
@@ -51,10 +58,23 @@ def init_distributed(device: torch.device, timeout_s: float) -> DistInfo:
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+        dist.init_process_group(_backend(device), timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
     return info
+
+
+def _backend(device: torch.device) -> str:
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def _single_process_group(device: torch.device) -> None:
+    """A one-rank process group (in-memory store) for FSDP2 in a process that was not launched with ranks."""
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(_backend(device), store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=device if device.type == "cuda" else None)
 
 
 def destroy_distributed() -> None:
@@ -71,16 +91,50 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
     return list(layers)
 
 
+def compile_decoder_layers(model: Any) -> None:
+    """``torch.compile`` each decoder layer's ``forward`` (``trainer.compile``); call before :func:`shard_model`.
+
+    Only the layer's computation is compiled: FSDP2's hooks and gradient checkpointing wrap it and stay eager, and
+    the parameter names do not change (checkpoints and weight sync see the same keys). Identical layers share one
+    compiled graph; a row of a new length compiles once more, then the length is treated as dynamic.
+    """
+    import torch._dynamo.config as dynamo
+
+    layers = decoder_layers(model)
+    limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo, limit, max(getattr(dynamo, limit), 8 + 2 * len(layers)))  # guards may differ per layer
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)
+
+
 def shard_model(model: Any, info: DistInfo, device: torch.device, mixed_precision: str | None,
-                cpu_offload: bool) -> Any:
-    """``fully_shard`` every decoder layer, then the root (embeddings, final norm, head)."""
-    if not info.enabled:
+                cpu_offload: bool, reshard_after_forward: bool = True) -> Any:
+    """``fully_shard`` every decoder layer, then the root (embeddings, final norm, head).
+
+    Mixed precision (``trainer.mixed_precision``): fp32 master weights, parameters cast to bf16 for forward and
+    backward, gradients reduced in fp32. CPU offload (``trainer.cpu_offload``): shards, gradients and optimizer
+    state live in CPU memory, so build the optimizer after this call (it then steps on the CPU). A single process
+    without either is returned as it is.
+    """
+    if not (info.enabled or mixed_precision or cpu_offload):
         return model
+    if mixed_precision not in (None, "bfloat16"):
+        raise UserError(f"trainer.mixed_precision={mixed_precision!r} is not supported: use bfloat16 (fp32 master "
+                        "weights, bf16 compute) or null (compute in model.dtype); float16 would need loss scaling.")
+    if mixed_precision and next(model.parameters()).dtype != torch.float32:
+        raise UserError(f"trainer.mixed_precision={mixed_precision} keeps fp32 master weights, but the model was "
+                        f"loaded as {next(model.parameters()).dtype}: set model.dtype=float32 (or "
+                        "trainer.mixed_precision=null to train in model.dtype).")
+    if cpu_offload and device.type != "cuda":
+        raise UserError(f"trainer.cpu_offload=true moves FSDP2 shards off a GPU, but the trainer runs on {device}: "
+                        "set trainer.cpu_offload=false (or train on a GPU with trainer.device=cuda).")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (info.world_size,))
-    kwargs: dict[str, Any] = {"mesh": mesh}
+    if not info.enabled:
+        _single_process_group(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mixed_precision:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, mixed_precision),
                                                    reduce_dtype=torch.float32)
@@ -152,7 +206,8 @@ def iter_full_state(model: Any, info: DistInfo, skip: set[str] | None = None):
 
     Under FSDP2 every rank must run this generator to the end: each sharded tensor is all-gathered
     (``full_tensor()``, a collective) in lockstep on every rank; non-zero ranks yield nothing and drop each
-    gathered tensor at once. Peak extra memory is one full tensor per rank plus what the consumer holds.
+    gathered tensor at once. Peak extra memory is one full tensor per rank plus what the consumer holds. With CPU
+    offload the shards are CPU tensors and gather over the process group's gloo side.
     """
     from torch.distributed.tensor import DTensor
 

@@ -5,6 +5,10 @@ Per trained token t with trainer log-prob logπ_t, sampler log-prob logμ_t and 
     r_t = exp(logπ_t - logμ_t)                              importance ratio (sampler -> trainer)
     m_t = 1[clip_min <= r_t <= clip_max]                    masked IS (detached)
 
+With truncated sampling (top-k / top-p / min-p) logμ_t is normalized over the token's candidate set; when the row
+carries the sets (``row.support_ids``) logπ_t is renormalized over the same set by the head, so r_t is unbiased
+(``sampling/sampling_mask_frac`` is the fraction of trained tokens that had one).
+
 Normalization: a micro-batch returns Σ_t loss_t / num_trained_step, where num_trained_step counts the trained
 tokens of the whole optimizer step (every micro-batch, every rank), IS-masked tokens included, as the clipped
 formula's Σ|o_i| does. Accumulated micro-batches therefore sum to exactly the full-batch token mean. Across ranks
@@ -105,6 +109,12 @@ class ScoreCenteringLoss(_MaskedISLoss):
         is among them. The centering term is kept at IS-masked positions (f zeroes only the sampled token's term).
       - The normalizer counts IS-masked tokens (as the clipped loss does).
       - π(v) uses the same temperature as π(o_t). ``clip_ratio/*`` count tokens outside [1 - ε_low, 1 + ε_high].
+      - Truncated sampling (reference j): μ is the sampler's processed distribution, normalized over the token's
+        candidate set S. With S known (``row.support_ids``) the head renormalizes π(v) over S too (π(v) = 0 for
+        v ∉ S), so both sides of every ratio and of the centering term live on S; a top-N id outside S arrives as
+        μ(v) = exp(-9999) = 0 and π(v) = 0 and drops out, so the centering expectation runs over top-N ∩ S and
+        ``sampling/sampler_mass`` is the mass of that part of S. Without S, π(v) is a full-vocabulary probability
+        against a renormalized μ(v): the same bias as the ratios (warned at startup).
     """
 
     needs_sampler_topk = True
@@ -131,7 +141,10 @@ class ScoreCenteringLoss(_MaskedISLoss):
 def _base_metrics(stats: TokenStats, row: PackedRow, ratio: torch.Tensor, mask: torch.Tensor) -> dict:
     r = ratio.detach()
     diff = (stats.logprobs.detach() - row.sampler_logprobs).abs()
-    return {
+    extra = {}
+    if row.support_ids is not None:  # tokens whose log-prob was renormalized over a candidate set
+        extra["sampling_mask_sum"] = (row.support_ids >= 0).any(1).float().sum()
+    return extra | {
         "token_count": torch.tensor(float(r.numel()), device=r.device),
         "is_ratio_sum": r.sum(),
         "is_ratio_min": _extreme(r, torch.min, float("inf")),
@@ -185,6 +198,7 @@ _MEANS = {
     "sampling/masked_mean": "is_masked_sum",
     "sampling/sampling_logp_difference/mean": "logp_diff_sum",
     "sampling/sampler_mass": "sampler_mass_sum",
+    "sampling/sampling_mask_frac": "sampling_mask_sum",
     "entropy": "entropy_sum",
     "clip_ratio/region_mean": "clip_region_sum",
     "clip_ratio/low_mean": "clip_low_sum",

@@ -50,16 +50,6 @@ def total_prompts_for(cfg: RootConfig, num_rows: int) -> int | None:
     return max(1, math.ceil(cfg.trainer.num_train_epochs * num_rows))
 
 
-def _warn_truncated_sampling(cfg: RootConfig) -> None:
-    s = cfg.sampling
-    if s.top_p < 1.0 or s.top_k > 0 or s.min_p > 0:
-        logger.warning(
-            "sampling.top_p/top_k/min_p truncate the sampling distribution, but the trainer normalizes its "
-            "log-probs over the full vocabulary: importance ratios are biased low by the surviving mass "
-            "(no sampling-mask renormalization yet)"
-        )
-
-
 def run_train(cfg: RootConfig, run_dir: Path) -> Any:
     import torch
 
@@ -74,6 +64,7 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
     )
     from asyncgrpo_cli.train.distributed import (
         broadcast_object,
+        compile_decoder_layers,
         destroy_distributed,
         init_distributed,
         shard_model,
@@ -108,7 +99,9 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
 
         tokenizer = load_tokenizer(model_path, cfg.model)
         model = load_policy(model_path, cfg.model, device)
-        model = shard_model(model, info, device, tr.mixed_precision, tr.cpu_offload)
+        if tr.compile:
+            compile_decoder_layers(model)
+        model = shard_model(model, info, device, tr.mixed_precision, tr.cpu_offload, tr.reshard_after_forward)
         optimizer = build_optimizer(model, tr)
         scheduler = build_scheduler(optimizer, tr)
         if resume:
@@ -118,7 +111,10 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
 
         sync_cls = registry.resolve("weight_sync", cfg.server.weight_sync)
         sync_dir = broadcast_object(str(cfg.server.weight_sync_dir or run_dir / "weights"), info)
-        weight_sync = sync_cls(main.server.control if main else None, Path(sync_dir), info)
+        control = main.server.control if main else None
+        build = getattr(sync_cls, "from_run", None)  # a backend with settings reads them from the run's config
+        weight_sync = (build(cfg, control, Path(sync_dir), info) if build is not None
+                       else sync_cls(control, Path(sync_dir), info))
         stack.callback(weight_sync.close)
         weight_sync.push(model, state.model_version)  # before generation starts
 
@@ -136,9 +132,11 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
 class _MainSide:
     """Rank 0's resources: the server backend and the prompt dataset."""
 
-    def __init__(self, server: Any, info: Any, dataset: Any, token_budget: int, served: str):
+    def __init__(self, server: Any, info: Any, dataset: Any, token_budget: int, served: str, sampling_mask: bool):
         self.server, self.info, self.dataset = server, info, dataset
         self.token_budget, self.served = token_budget, served
+        self.sampling_mask = sampling_mask
+        """Request each token's candidate set (truncated sampling on a server that returns them)."""
 
 
 def _start_main_side(cfg: RootConfig, run_dir: Path, model_path: str, stack: ExitStack) -> _MainSide:
@@ -149,14 +147,19 @@ def _start_main_side(cfg: RootConfig, run_dir: Path, model_path: str, stack: Exi
     server = backend_cls(cfg.server, model_path, cfg.model.served_model_name, run_dir)
     stack.callback(server.stop)
     info = server.start()
+    from asyncgrpo_cli.server.probe import probe_server
+
+    report = probe_server(server.control, cfg, model_path=model_path)  # every capability the run needs, or the fix
     served = cfg.model.served_model_name or info.model_id
     token_budget = cfg.packing.token_budget or info.max_model_len
     if not token_budget:
         raise UserError("the server does not report max_model_len in /v1/models: set packing.token_budget.")
     logger.info("server %s serves %r (max_model_len=%s); token budget %d", server.base_url, served,
                 info.max_model_len, token_budget)
-    _warn_truncated_sampling(cfg)
-    return _MainSide(server, info, dataset, token_budget, served)
+    from asyncgrpo_cli.server.mask_support import resolve_sampling_mask
+
+    sampling_mask = resolve_sampling_mask(report, cfg)  # warns once when truncated sampling goes without
+    return _MainSide(server, info, dataset, token_budget, served, sampling_mask)
 
 
 def _start_rollout(cfg: RootConfig, run_dir: Path, main: _MainSide, parts: Any, window: Any,
@@ -177,7 +180,8 @@ def _start_rollout(cfg: RootConfig, run_dir: Path, main: _MainSide, parts: Any, 
         max_retries=cfg.server.max_retries, num_topk=num_topk, tokenizer_path=str(parts.tokenizer.name_or_path),
         chat_template_kwargs=dict(cfg.model.chat_template_kwargs), total_prompts=total_prompts,
         dataset_start_index=tracker.low_water, skip_prompt_seqs=sorted(tracker.resolved_above),
-        data_seed=tr.seed, shuffle=cfg.data.shuffle, seed_offset=state.step,
+        data_seed=tr.seed, shuffle=cfg.data.shuffle, seed_offset=state.step, sampling_mask=main.sampling_mask,
+        versioned_model=getattr(parts.weight_sync, "served_name_template", None),  # lora: policy-v{version}
     )
     rollout = RolloutProcess(RolloutSpec(cfg.rollout.loop, settings, main.dataset, list(cfg.rewards.funcs)),
                              worker_timeout=cfg.rollout.rollout_worker_timeout, start_timeout=cfg.rollout.start_timeout)

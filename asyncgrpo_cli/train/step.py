@@ -34,6 +34,7 @@ def forward_backward(model: Any, rows: list[list[TrainingSequence]], num_trained
     with_topk = bool(getattr(loss_fn, "needs_sampler_topk", False))
     out = StepResult()
     model.train()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # read once: the next row packs during backward
     for samples in rows:
         row = packer.pack(samples).to(device)
         t0 = time.monotonic()
@@ -45,17 +46,20 @@ def forward_backward(model: Any, rows: list[list[TrainingSequence]], num_trained
         loss.backward()
         out.fwd_s += t1 - t0
         out.fwd_bwd_s += time.monotonic() - t0
-        out.loss += float(loss.detach()) / world_size
+        loss_sum += loss.detach()
         out.raw_parts.append(raw)
         out.forwarded += row.num_forwarded
         out.unpacked += row.num_unpacked
+    out.loss = float(loss_sum) / world_size
     return out
 
 
 def _through_root(model: Any, row: Any, temperature: float, with_topk: bool) -> TokenStats:
     """Compute the head's statistics *inside* the root module's call.
 
-    The head runs the decoder body and the LM head itself (never the full-vocabulary forward). Under FSDP2 the
+    The head runs the decoder body and the LM head itself (never the full-vocabulary forward); with the row's
+    sampling candidate sets (``row.support_ids``, top-k / top-p / min-p masks from the server) the log-probs,
+    entropies and sampler-top-k log-probs are renormalized over each token's set. Under FSDP2 the
     root module's hooks unshard the parameters it owns (embeddings, final norm, LM head) and schedule their
     gradient reduction, so the computation is redirected through ``model(...)`` with a one-shot ``forward``.
     """
@@ -69,14 +73,16 @@ def _through_root(model: Any, row: Any, temperature: float, with_topk: bool) -> 
 
     def redirected(*_args: Any, **_kwargs: Any) -> tuple:
         restore()
-        stats = token_logprobs(model, row, temperature, with_topk)
+        stats = token_logprobs(model, row, temperature, with_topk, support_ids=row.support_ids)
         # FSDP2 hooks the root's outputs for backward; a view output would lose that hook on in-place use.
         return tuple(t.clone() if t is not None and t._is_view() else t
                      for t in (stats.logprobs, stats.entropy, stats.topk_logprobs))
 
     model.forward = redirected
     try:
-        logprobs, entropy, topk = model()
+        # A keyword argument: torch 2.11's FSDP2 root pre-forward indexes the moved (args, kwargs) tuples, which
+        # are empty for a call without any.
+        logprobs, entropy, topk = model(asyncgrpo_row=None)
     finally:
         restore()
     return TokenStats(logprobs=logprobs, entropy=entropy, topk_logprobs=topk)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
 """1 GiB of KV cache (plenty for the tiny model) and no hub lookups."""
@@ -24,3 +27,33 @@ def running(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state not in ("Z", "X")
+
+
+NAME = "tiny"
+"""The served model name of the tiny test model."""
+PROMPT = [17, 250, 31, 999, 4, 86, 512, 77]
+MAX_MODEL_LEN = 4096
+"""--max-model-len of the default test server (the ``backend`` fixture)."""
+
+
+@contextmanager
+def launched(vllm_python: str, model_dir: Path, run_dir: Path, **settings: Any) -> Iterator[Any]:
+    """A vLLM CPU server started by ``server=vllm_launch``'s backend on the tiny model; always stopped.
+
+    ``settings``: ``weight_sync`` goes to ServerConfig, everything else to VllmLaunchConfig (``max_model_len``...).
+    """
+    from asyncgrpo_cli.config.schema import ServerConfig, VllmLaunchConfig
+    from asyncgrpo_cli.server.vllm_launch import VllmLaunchBackend
+
+    server_keys = {k: settings.pop(k) for k in ("weight_sync",) if k in settings}
+    launch = VllmLaunchConfig(python=vllm_python, enforce_eager=True, env=dict(VLLM_ENV), **settings)
+    cfg = ServerConfig(
+        backend="vllm_launch", timeout=120.0, startup_timeout=420.0, vllm_launch=launch, **server_keys
+    )
+    be = VllmLaunchBackend(cfg, str(model_dir), NAME, run_dir)
+    be.start()
+    try:
+        yield be
+    finally:
+        be.stop()
+

@@ -17,27 +17,21 @@ import asyncio
 import threading
 import time
 
-import httpx
 import pytest
 import torch
 
 from asyncgrpo_cli.config.compose import compose_config
-from asyncgrpo_cli.config.schema import ServerConfig, VllmLaunchConfig
 from asyncgrpo_cli.errors import UserError
 from asyncgrpo_cli.rollout.client import CompletionClient, SamplingParams
-from asyncgrpo_cli.rollout.concurrency import parse_prometheus, read_vllm_load
+from asyncgrpo_cli.rollout.concurrency import read_vllm_load
 from asyncgrpo_cli.server.probe import probe_server, server_config
-from asyncgrpo_cli.server.vllm_launch import VllmLaunchBackend
 from asyncgrpo_cli.sync.disk import DiskWeightSync
 from asyncgrpo_cli.sync.verify import WeightSyncMismatchError, verify_weight_sync
 from asyncgrpo_cli.vllm_ext import EXTENSION_CLS, RELOAD_METHOD
-from tests.vllm.common import VLLM_ENV
+from tests.vllm.common import MAX_MODEL_LEN, NAME, PROMPT
 
 pytestmark = pytest.mark.vllm
 
-NAME = "tiny"
-MAX_MODEL_LEN = 4096
-PROMPT = [17, 250, 31, 999, 4, 86, 512, 77]
 
 
 def tiny_cfg(*overrides: str):
@@ -50,35 +44,6 @@ def tiny_cfg(*overrides: str):
         ]
         + list(overrides)
     )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_torch_thread):
-    """Reference forwards on one thread: the server holds the other core."""
-
-
-@pytest.fixture(scope="module")
-def backend(vllm_python, tiny_model_dir, tmp_path_factory):
-    cfg = ServerConfig(
-        backend="vllm_launch",
-        timeout=120.0,
-        startup_timeout=420.0,
-        vllm_launch=VllmLaunchConfig(
-            python=vllm_python, max_model_len=MAX_MODEL_LEN, enforce_eager=True, env=dict(VLLM_ENV)
-        ),
-    )
-    be = VllmLaunchBackend(cfg, str(tiny_model_dir), NAME, tmp_path_factory.mktemp("vllm"))
-    be.start()
-    try:
-        yield be
-    finally:
-        be.stop()
-
-
-@pytest.fixture(scope="module")
-def client(backend):
-    with httpx.Client(base_url=backend.base_url, timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
@@ -178,65 +143,6 @@ def test_metrics_with_vllm_names(backend, client):
     assert seen_running, "never saw a running request in /metrics"
     final = read_vllm_load(client.get("/metrics").text)
     assert final.running == 0 and final.waiting == 0 and final.preemptions_total >= 0
-
-
-def metric_sum(client: httpx.Client, name: str) -> float:
-    """Sum of a /metrics series over its labels."""
-    return sum(s.value for s in parse_prometheus(client.get("/metrics").text) if s.name == name)
-
-
-def test_pause_keep_freezes_requests_in_flight_and_resume_finishes_them(backend, client):
-    """Judged on the server's counters: streamed chunks can reach a client late, in bursts, so arrival times
-    would not tell when a token was generated."""
-    control = backend.control
-    n, max_tokens = 4, 4000
-    results: list[dict] = []
-    errors: list[str] = []
-
-    def one() -> None:
-        body = {
-            "model": NAME,
-            "prompt": PROMPT,
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "temperature": 1.0,
-        }
-        body |= {"return_token_ids": True}
-        try:
-            r = httpx.post(f"{backend.base_url}/v1/completions", json=body, timeout=300)
-            results.append(r.json())
-        except Exception as e:  # reported by the main thread
-            errors.append(f"{type(e).__name__}: {e}")
-
-    start_tokens = metric_sum(client, "vllm:generation_tokens_total")
-    threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 180  # generous: the CPU server shares two cores with the test process
-    while metric_sum(client, "vllm:num_requests_running") < n:
-        assert time.monotonic() < deadline, "the requests never all ran"
-        time.sleep(0.02)
-    control.pause(mode="keep")
-    try:
-        assert client.get("/is_paused").json() == {"is_paused": True}
-        time.sleep(0.5)
-        frozen_at = metric_sum(client, "vllm:generation_tokens_total")
-        time.sleep(1.5)
-        assert metric_sum(client, "vllm:generation_tokens_total") == frozen_at, (
-            "tokens generated while paused"
-        )
-        assert start_tokens < frozen_at < start_tokens + n * max_tokens  # in flight: started, not finished
-        assert not results and not errors and all(t.is_alive() for t in threads)  # frozen, not aborted
-    finally:
-        control.resume()
-    assert client.get("/is_paused").json() == {"is_paused": False}
-    for t in threads:
-        t.join(timeout=180)
-    assert not errors and len(results) == n
-    for r in results:
-        (choice,) = r["choices"]
-        assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == max_tokens
-    assert metric_sum(client, "vllm:generation_tokens_total") == start_tokens + n * max_tokens
 
 
 # -- weight sync ------------------------------------------------------------------------------------------------

@@ -1,0 +1,325 @@
+"""``asyncgrpo bench packing``: sample tokens trained per second under tree vs sequence packing, side by side.
+
+Workload: synthetic GRPO groups (G rollouts of one P-token prompt; completions of C tokens that fork at their first
+token). A group forwards G (P + C) tokens under sequence packing and P - 1 + G (C + 1) under tree packing; P is
+chosen so that the packing ratio (sample tokens / tree-forwarded tokens) hits each requested ratio. Every step
+plans, packs and runs forward + backward over the same samples with each packer, through the trainer's own code:
+the packer's planner (``packing.planner_for``) and ``train/step.py:forward_backward`` (packing, the attention
+path of ``model.attn_implementation=auto``: compiled flex on CUDA, SDPA on CPU, the chunked LM head, the default
+score-centering loss with 8 sampler top-k ids), with gradient checkpointing. Models are Qwen3 shapes built from a
+hand-written config with random weights (bf16 on CUDA, fp32 on CPU; nothing is downloaded).
+
+Reported per shape and ratio, tree and sequence side by side:
+  - eff tok/s: sample tokens (Σ L over the samples) per second, the throughput that matters; tree / seq is its
+    ratio (the same samples, so the inverse ratio of step times), next to the FLOP bound (model FLOPs of the
+    sequence plan / of the tree plan: the speed-up if both ran at the same MFU);
+  - MFU: model FLOPs of the forwarded tokens per second / 989 TFLOP/s (H100 / H200 dense bf16), with model FLOPs
+    = 6 N T (N: decoder-layer parameters, T: forwarded tokens) + 6 H V N_trained (the chunked head projects only
+    trained positions) + 12 layers x heads x head_dim x pairs (QKᵀ and AV, forward and backward, over the attended
+    query-key pairs); recomputation is not counted. eff MFU counts the sequence plan's FLOPs instead;
+  - peak GiB: ``torch.cuda.max_memory_allocated`` over the timed steps;
+  - plan+pack %: planning and packing (CPU time on the step's critical path) as a share of the step.
+Warm-up steps (one compilation per row-length bucket) are excluded; every timed step ends with a synchronize.
+
+Usage: asyncgrpo bench packing [shapes=0.6b,1.7b] [ratios=1,2,3.4,8] [token_budget=16384] [rows=4] [steps=3]
+       [warmup=1] [group_size=16] [completion_len=256] [device=auto] [threads=0] [out=results.json]
+``rows``: tree rows per step (the number of groups follows); shapes: 0.6b, 1.7b, tiny (CUDA defaults: 0.6b,1.7b,
+budget 16384, C 256; CPU defaults: tiny, budget 512, C 16).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from asyncgrpo_cli.bench.shapes import PEAK_BF16_TFLOPS, QWEN3_SHAPES
+from asyncgrpo_cli.errors import UserError
+
+PEAK_FLOPS = PEAK_BF16_TFLOPS * 1e12
+SHAPES = {
+    **QWEN3_SHAPES,
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=128, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=40960),
+}  # fmt: skip
+TOPK = 8
+
+
+@dataclass
+class Options:
+    shapes: list[str] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=lambda: [1.0, 2.0, 3.4, 8.0])
+    token_budget: int = 0
+    rows: int = 4
+    steps: int = 3
+    warmup: int = 1
+    group_size: int = 16
+    completion_len: int = 0
+    device: str = "auto"
+    threads: int = 0
+    out: str = ""
+
+
+def parse_options(argv: list[str]) -> Options:
+    """``key=value`` arguments into :class:`Options` (lists comma-separated); unknown keys are refused."""
+    opts = Options()
+    types = {f.name: f for f in fields(Options)}
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in types:
+            raise UserError(
+                f"asyncgrpo bench packing: expected KEY=VALUE with KEY in {', '.join(types)}, got {arg!r}"
+            )
+        default = getattr(opts, key)
+        try:
+            if isinstance(default, list):
+                cast = float if key == "ratios" else str
+                parsed: Any = [cast(x) for x in value.split(",") if x]
+            else:
+                parsed = type(default)(value)
+        except ValueError:
+            raise UserError(f"asyncgrpo bench packing: {key}={value!r} is not a valid {key}") from None
+        setattr(opts, key, parsed)
+    return opts
+
+
+def prompt_len(ratio: float, group: int, completion: int) -> int:
+    """P such that one group's G (P + C) / (P - 1 + G (C + 1)) is closest to ``ratio`` (P = 1 gives exactly 1)."""
+    if not 1.0 <= ratio < group:
+        raise UserError(f"asyncgrpo bench packing: ratio {ratio} needs 1 <= ratio < group_size ({group})")
+    tree = group * (completion + 1) - 1
+    return max(1, round((ratio * tree - group * completion) / (group - ratio)))
+
+
+def workload(ratio: float, opts: Options, vocab: int) -> tuple[int, list]:
+    """(P, samples): about ``opts.rows`` tree rows of groups whose *planned* packing ratio is closest to ``ratio``.
+
+    A group that does not fit the rest of a row continues in the next one and forwards its prompt again, so the
+    planned ratio falls below the one-group formula; P is bisected on the tree planner's own token counts.
+    """
+    from asyncgrpo_cli.packing.tree_planner import TreeBudgetPlanner
+
+    g, c = opts.group_size, opts.completion_len
+
+    def build(p: int) -> tuple[float, list]:
+        groups = max(1, round(opts.rows * opts.token_budget / (p - 1 + g * (c + 1))))
+        samples = make_samples(np.random.default_rng(0), groups, g, p, c, vocab)
+        planner = TreeBudgetPlanner(opts.token_budget, num_ranks=1)
+        batches = [mb for s in samples if (mb := planner.add(s)) is not None] + [planner.flush()]
+        return sum(map(len, samples)) / sum(int(mb.tokens_per_row.sum()) for mb in batches), samples
+
+    lo, hi = prompt_len(ratio, g, c), opts.token_budget - c
+    if lo > hi:
+        raise UserError(
+            f"asyncgrpo bench packing: ratio {ratio} needs {lo}-token prompts, so samples of {lo + c} tokens exceed "
+            f"token_budget={opts.token_budget}: raise token_budget or lower completion_len / raise group_size"
+        )
+    best = (abs(build(lo)[0] - ratio), lo)
+    while lo < hi:  # smallest P whose planned ratio reaches the target (the ratio grows with P)
+        mid = (lo + hi) // 2
+        got = build(mid)[0]
+        best = min(best, (abs(got - ratio), mid))
+        lo, hi = (mid + 1, hi) if got < ratio else (lo, mid)
+    best = min(best, (abs(build(lo)[0] - ratio), lo))
+    return best[1], build(best[1])[1]
+
+
+def make_samples(rng: np.random.Generator, groups: int, group: int, prompt: int, completion: int, vocab: int):
+    """``groups`` x ``group`` samples: a shared prompt, completions forking at distinct first tokens."""
+    from asyncgrpo_cli.rollout.types import TrainingSequence
+
+    base = -float(np.log(vocab))  # a random model is near uniform: importance ratios near 1
+    out = []
+    for g in range(groups):
+        head = rng.integers(0, vocab, size=prompt)
+        firsts = rng.choice(vocab, size=group, replace=False)
+        for i in range(group):
+            tail = rng.integers(0, vocab, size=completion)
+            tail[0] = firsts[i]
+            ids = np.concatenate([head, tail]).astype(np.int64)
+            mask = np.zeros(ids.shape[0], dtype=bool)
+            mask[prompt:] = True
+            lps = np.where(mask, base + rng.normal(0, 0.2, ids.shape[0]), 0.0).astype(np.float32)
+            out.append(TrainingSequence(
+                input_ids=ids, train_mask=mask, sampler_logprobs=lps, advantage=float(rng.normal()),
+                topk_ids=rng.integers(0, vocab, size=(completion, TOPK)),
+                topk_logprobs=(base + rng.normal(0, 0.2, (completion, TOPK))).astype(np.float32),
+                group_id=g, prompt_seq=g, group_num_samples=group,
+            ))  # fmt: skip
+    return out
+
+
+class RecordingPacker:
+    """Wraps a packer: times ``pack`` and keeps the step's rows (for token, pair and FLOP counts)."""
+
+    def __init__(self, packer: Any) -> None:
+        self.packer, self.planner = packer, packer.planner
+        self.seconds, self.rows = 0.0, []
+
+    def pack(self, samples: Any) -> Any:
+        t0 = time.perf_counter()
+        row = self.packer.pack(samples)
+        self.seconds += time.perf_counter() - t0
+        self.rows.append(row)
+        return row
+
+
+def build_model(shape: str, device: Any) -> Any:
+    """A Qwen3 of the given shape with random weights: bf16 on CUDA, fp32 elsewhere; checkpointing on."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from asyncgrpo_cli.model.flex import resolve_attn_implementation
+
+    cfg = Qwen3Config(**SHAPES[shape], attn_implementation=resolve_attn_implementation("auto", device))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg)
+    model.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model.config.use_cache = False
+    if hasattr(model, "activation_checkpointing_enable"):  # as model/loading.py does
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def flops_per(model: Any) -> tuple[int, int, int]:
+    """(per forwarded token, per trained token, per attended pair) model FLOPs of forward + backward."""
+    cfg = model.config
+    body = sum(p.numel() for p in model.get_decoder().layers.parameters())
+    head = model.get_output_embeddings().weight.numel()
+    return 6 * body, 6 * head, 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
+
+
+def run_packer(kind: str, model: Any, samples: list, opts: Options, device: Any) -> dict:
+    """Warm-up and timed steps of one packer over ``samples``; per-step medians and counts."""
+    import torch
+
+    from asyncgrpo_cli import registry
+    from asyncgrpo_cli.config.schema import LossConfig, PackingConfig
+    from asyncgrpo_cli.packing import planner_for
+    from asyncgrpo_cli.train.step import forward_backward
+
+    cuda = device.type == "cuda"
+    loss_fn = registry.resolve("loss", "score_centering")(LossConfig())
+    packer = RecordingPacker(registry.resolve("packer", kind)(PackingConfig(kind=kind)))
+    step_s, plan_pack_s = [], []
+    for step in range(opts.warmup + opts.steps):
+        if step == opts.warmup and cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        packer.seconds, packer.rows = 0.0, []
+        t0 = time.perf_counter()
+        planner = planner_for(packer)(opts.token_budget, num_ranks=1)
+        batches = [mb for s in samples if (mb := planner.add(s)) is not None]
+        batches += [mb for mb in [planner.flush()] if mb is not None]
+        t_plan = time.perf_counter() - t0
+        forward_backward(model, [mb.rows[0] for mb in batches], sum(mb.num_trained for mb in batches), packer,
+                         loss_fn, device, temperature=1.0)  # fmt: skip
+        model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)
+        if step >= opts.warmup:
+            step_s.append(time.perf_counter() - t0)
+            plan_pack_s.append(t_plan + packer.seconds)
+    rows = packer.rows
+    pairs = sum(int((r.leave - torch.arange(r.num_forwarded)).sum()) for r in rows)
+    per_token, per_trained, per_pair = flops_per(model)
+    forwarded, trained = sum(r.num_forwarded for r in rows), sum(r.num_trained for r in rows)
+    t = statistics.median(step_s)
+    return dict(
+        rows=len(rows), forwarded_tokens=forwarded, sample_tokens=sum(r.num_unpacked for r in rows),
+        trained_tokens=trained, attention_pairs=pairs, step_s=t, plan_pack_s=statistics.median(plan_pack_s),
+        model_flops=per_token * forwarded + per_trained * trained + per_pair * pairs,
+        peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+    )  # fmt: skip
+
+
+def bench_ratio(shape: str, ratio: float, model: Any, opts: Options, device: Any, vocab: int) -> dict:
+    """One shape and ratio: the workload, both packers, and the derived throughputs."""
+    g, c = opts.group_size, opts.completion_len
+    p, samples = workload(ratio, opts, vocab)
+    groups = len(samples) // g
+    res = {kind: run_packer(kind, model, samples, opts, device) for kind in ("tree", "sequence")}
+    seq_flops = res["sequence"]["model_flops"]
+    for r in res.values():
+        r["effective_tok_s"] = r["sample_tokens"] / r["step_s"]
+        r["forwarded_tok_s"] = r["forwarded_tokens"] / r["step_s"]
+        r["trained_tok_s"] = r["trained_tokens"] / r["step_s"]
+        r["mfu"] = r["model_flops"] / r["step_s"] / PEAK_FLOPS if device.type == "cuda" else None
+        r["effective_mfu"] = seq_flops / r["step_s"] / PEAK_FLOPS if device.type == "cuda" else None
+    tree, seq = res["tree"], res["sequence"]
+    return dict(
+        shape=shape, ratio_target=ratio, ratio=tree["sample_tokens"] / tree["forwarded_tokens"], group_size=g,
+        prompt_len=p, completion_len=c, groups=groups, samples=len(samples), token_budget=opts.token_budget,
+        speedup=seq["step_s"] / tree["step_s"], flop_bound=seq_flops / tree["model_flops"], tree=tree, sequence=seq,
+    )  # fmt: skip
+
+
+HEADER = ["shape", "ratio", "G x (P+C)", "tree eff tok/s", "seq eff tok/s", "tree/seq", "FLOP bound",
+          "tree MFU", "seq MFU", "tree eff MFU", "tree peak GiB", "seq peak GiB", "tree plan+pack %",
+          "seq plan+pack %"]  # fmt: skip
+
+
+def table_row(r: dict) -> list[str]:
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.1f}%"
+
+    def gib(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1f}"
+
+    t, s = r["tree"], r["sequence"]
+    return [
+        r["shape"], f"{r['ratio']:.2f}", f"{r['group_size']} x ({r['prompt_len']}+{r['completion_len']})",
+        f"{t['effective_tok_s']:,.0f}", f"{s['effective_tok_s']:,.0f}", f"{r['speedup']:.2f}x",
+        f"{r['flop_bound']:.2f}x", pct(t["mfu"]), pct(s["mfu"]), pct(t["effective_mfu"]), gib(t["peak_gib"]),
+        gib(s["peak_gib"]), pct(t["plan_pack_s"] / t["step_s"]), pct(s["plan_pack_s"] / s["step_s"]),
+    ]  # fmt: skip
+
+
+def main(argv: list[str]) -> None:
+    import torch
+
+    opts = parse_options(argv)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    use_cuda = opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise UserError("asyncgrpo bench packing: device=cuda but no CUDA device is available")
+    device = torch.device("cuda" if use_cuda else "cpu")
+    opts.shapes = opts.shapes or (["0.6b", "1.7b"] if use_cuda else ["tiny"])
+    opts.token_budget = opts.token_budget or (16384 if use_cuda else 512)
+    opts.completion_len = opts.completion_len or (256 if use_cuda else 16)
+    unknown = sorted(set(opts.shapes) - set(SHAPES))
+    if unknown:
+        raise UserError(f"asyncgrpo bench packing: unknown shapes {unknown}; shapes: {', '.join(SHAPES)}")
+    where = (
+        torch.cuda.get_device_name(device) if use_cuda else f"CPU, {torch.get_num_threads()} torch threads"
+    )
+    print(
+        f"tree vs sequence packing, forward+backward (chunked head, gradient checkpointing) on {where}, torch "
+        f"{torch.__version__}; token_budget {opts.token_budget}, ~{opts.rows} tree rows per step, median of "
+        f"{opts.steps} steps after {opts.warmup} warm-up; MFU vs {PEAK_FLOPS / 1e12:.0f} TFLOP/s",
+        flush=True,
+    )
+    print("| " + " | ".join(HEADER) + " |")
+    print("|" + "---|" * len(HEADER), flush=True)
+    meta = dict(device=where, torch=torch.__version__, peak_flops=PEAK_FLOPS, options=asdict(opts))
+    results = []
+    for shape in opts.shapes:
+        model = build_model(shape, device)
+        for ratio in opts.ratios:
+            results.append(bench_ratio(shape, ratio, model, opts, device, model.config.vocab_size))
+            print("| " + " | ".join(table_row(results[-1])) + " |", flush=True)
+            if opts.out:  # after every row, so an interrupted run keeps what it measured
+                with open(opts.out, "w") as f:
+                    json.dump({"meta": meta, "results": results}, f, indent=1)
+        del model
+        if use_cuda:
+            torch.cuda.empty_cache()
+    if opts.out:
+        print(f"wrote {opts.out}")

@@ -1,0 +1,532 @@
+"""``asyncgrpo bench trainer``: trainer throughput, MFU and peak memory on synthetic packed rows (no server).
+
+Usage (one process per GPU; rank 0 prints the table)::
+
+    torchrun --standalone --nproc-per-node N -m asyncgrpo_cli bench trainer [KEY=VALUE ...]
+    asyncgrpo bench trainer shapes=tiny device=cpu steps=2        # CPU smoke test
+
+Keys (:class:`TrainerBenchConfig`): ``shapes=0.6b,1.7b`` (Qwen3 shapes, random weights, built without the hub),
+``token_budget`` (forwarded tokens per row, one row per rank per micro-batch), ``grad_accum``, ``precision``,
+``gradient_checkpointing``, ``compile``, ``reshard_after_forward``, ``packing``, ``attn``, ``steps``, ``warmup``,
+``out=PATH`` (JSON), ``baseline=PATH`` (a 1-GPU JSON: adds scaling efficiency = tokens/s per GPU over the
+baseline's).
+
+Each step is the trainer's own path: rank 0 builds the rows and scatters them (``scatter_step``), every rank packs
+its row (``packing.kind``), runs ``forward_backward`` (decoder with the configured attention, chunked LM head,
+loss), reduces the loss metrics, then ``clip_and_step`` (fused AdamW on CUDA). The model comes from
+``load_policy`` (a weightless checkpoint: every weight is initialized at random, seeded alike on every rank) and
+FSDP2's ``shard_model``. Rows are filled to exactly ``token_budget`` forwarded tokens with GRPO-like groups
+(``group_size`` completions of one prompt), so every rank does the same work. Timed: packing, forward+backward,
+metric reduction and the optimizer step, between ``torch.cuda.synchronize`` calls; row generation and the
+scatter are not (``asyncgrpo bench trainer-overhead`` measures planning).
+
+Precision (``precision``): ``mixed`` (default, what a run uses: model.dtype=float32 master weights,
+trainer.mixed_precision=bfloat16, FSDP2 also on one GPU), ``bf16`` (bf16 weights and AdamW state, no master
+copy), ``fp32``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from asyncgrpo_cli.bench.shapes import PEAK_BF16_TFLOPS, QWEN3_SHAPES
+from asyncgrpo_cli.errors import UserError
+
+SHAPES: dict[str, dict[str, Any]] = {
+    **QWEN3_SHAPES,
+    "tiny": {
+        "vocab_size": 1024,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "tie_word_embeddings": True,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+    },
+}
+PRECISIONS = {"mixed": ("float32", "bfloat16"), "bf16": ("bfloat16", None), "fp32": ("float32", None)}
+"""precision -> (model.dtype, trainer.mixed_precision)."""
+MIN_COMPLETION = 16
+FLOP_FORMULA = (
+    "model FLOPs per step = 6·N·T + 6·V·H·T_head + 12·layers·heads·head_dim·P, where N = parameters without the "
+    "embedding / LM-head matrix, T = forwarded tokens, T_head = positions projected through the LM head (trained "
+    "tokens; the chunked head projects no others), V·H = LM-head matrix, P = attended (query, key) pairs, causal "
+    "within each sample (Σ position+1; a shared prompt counted once under tree packing). Recomputation (gradient "
+    "checkpointing, the head's backward) is not counted. MFU = FLOPs / step time / (GPUs · peak_tflops)."
+)
+
+
+@dataclass
+class TrainerBenchConfig:
+    shapes: str = "0.6b,1.7b"
+    """Comma-separated model shapes: 0.6b, 1.7b (Qwen3), tiny (CPU smoke test)."""
+    device: str = "auto"
+    token_budget: int = 16384
+    grad_accum: int = 1
+    steps: int = 5
+    warmup: int = 2
+    precision: str = "mixed"
+    gradient_checkpointing: bool = True
+    compile: bool = False
+    reshard_after_forward: bool = True
+    packing: str | None = None
+    """Packer (packing.kind); None: the project's default."""
+    attn: str | None = None
+    """model.attn_implementation; None: the project's default (auto: flex attention on CUDA)."""
+    loss: str = "score_centering"
+    prompt_len: int = 512
+    completion_len: int = 4096
+    """Completions are drawn uniformly from [completion_len / 2, completion_len] tokens."""
+    group_size: int = 8
+    num_topk: int = 8
+    peak_tflops: float = PEAK_BF16_TFLOPS
+    """Dense bf16 peak per GPU (H100 / H200 SXM)."""
+    seed: int = 0
+    out: str | None = None
+    baseline: str | None = None
+
+
+def parse_args(argv: list[str]) -> TrainerBenchConfig:
+    import yaml
+
+    from asyncgrpo_cli.config.validate import build_dataclass
+
+    data, errors = {}, []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if not eq:
+            errors.append(f"{arg!r} is not KEY=VALUE")
+            continue
+        data[key] = yaml.safe_load(value)
+    cfg = build_dataclass(TrainerBenchConfig, data, "bench", errors) if not errors else None
+    if cfg is not None:
+        errors += _range_errors(cfg)
+    if errors:
+        raise UserError("asyncgrpo bench trainer: " + "; ".join(errors))
+    return cfg
+
+
+def _range_errors(cfg: TrainerBenchConfig) -> list[str]:
+    checks = [
+        (
+            all(s in SHAPES for s in cfg.shapes.split(",")),
+            f"bench.shapes ({cfg.shapes}): pick from {', '.join(SHAPES)}",
+        ),
+        (
+            cfg.precision in PRECISIONS,
+            f"bench.precision ({cfg.precision}) must be one of {', '.join(PRECISIONS)}",
+        ),
+        (cfg.device in ("auto", "cuda", "cpu"), f"bench.device ({cfg.device}) must be auto, cuda or cpu"),
+        (cfg.steps >= 1 and cfg.warmup >= 0 and cfg.grad_accum >= 1, "bench.steps / grad_accum must be >= 1"),
+        (
+            cfg.token_budget >= cfg.prompt_len + MIN_COMPLETION,
+            f"bench.token_budget ({cfg.token_budget}) must hold one sample: >= prompt_len + {MIN_COMPLETION}",
+        ),
+        (cfg.prompt_len >= 1, "bench.prompt_len must be >= 1 (the first token has nothing to predict it)"),
+        (cfg.completion_len >= 2 * MIN_COMPLETION, f"bench.completion_len must be >= {2 * MIN_COMPLETION}"),
+        (cfg.group_size >= 1 and cfg.num_topk >= 0, "bench.group_size must be >= 1 and num_topk >= 0"),
+    ]
+    return [msg for ok, msg in checks if not ok]
+
+
+# ---------------------------------------------------------------------------------------------------- rows
+@dataclass
+class RowPlan:
+    """One rank's row for one micro-batch and the counts the FLOP formula needs."""
+
+    samples: list[Any]
+    forwarded: int = 0
+    trained: int = 0
+    attn_pairs: int = 0
+
+
+def synthetic_row(
+    rng: np.random.Generator, cfg: TrainerBenchConfig, vocab: int, shared_prompt: bool, first_group: int
+) -> RowPlan:
+    """GRPO-like groups (``group_size`` completions of one prompt) filling exactly ``token_budget`` forwarded tokens.
+
+    Under tree packing (``shared_prompt``) each sample's forwarded tokens and attention pairs are what the packer's
+    own group trie adds for it; otherwise a sample forwards all its tokens. When the rest of the row could not hold
+    another sample, the current completion is stretched (or cut) to take the rest.
+    """
+    from asyncgrpo_cli.packing.trie import GroupTrie
+    from asyncgrpo_cli.rollout.types import TrainingSequence
+
+    plan, p, k = RowPlan(samples=[]), cfg.prompt_len, cfg.num_topk
+    base = -math.log(vocab)  # a random model is near uniform: importance ratios near 1
+    left, group, trie = cfg.token_budget, first_group - 1, None
+    while left > 0:
+        if trie is None or len(trie) == cfg.group_size:
+            group, trie = group + 1, GroupTrie()
+            prompt = rng.integers(10, vocab, size=p)
+            # every completion of a group starts with its own token: the branches part right after the prompt
+            firsts = rng.choice(np.arange(10, vocab), size=cfg.group_size, replace=False)
+        c = int(rng.integers(cfg.completion_len // 2, cfg.completion_len + 1))
+        ids = np.concatenate([prompt, firsts[len(trie) : len(trie) + 1], rng.integers(10, vocab, size=c - 1)])
+        # tokens the sample forwards beyond its completion (its prompt, or the shared token heading its branch)
+        extra = (trie.probe(ids).new_tokens if shared_prompt else p + c) - c
+        if left - extra - c < p + MIN_COMPLETION:  # no room for another sample: this one takes the rest
+            c = left - extra
+            ids = np.concatenate([ids, rng.integers(10, vocab, size=max(0, p + c - len(ids)))])[: p + c]
+        att = trie.insert(ids)
+        left -= extra + c
+        plan.forwarded += extra + c
+        plan.attn_pairs += att.new_pairs if shared_prompt else (p + c) * (p + c + 1) // 2
+        plan.trained += c
+        mask = np.arange(p + c) >= p
+        plan.samples.append(
+            TrainingSequence(
+                input_ids=ids.astype(np.int64),
+                train_mask=mask,
+                sampler_logprobs=np.where(mask, base + rng.normal(0, 0.2, p + c), 0.0).astype(np.float32),
+                advantage=float(rng.normal()),
+                topk_ids=rng.integers(10, vocab, size=(c, k)) if k else None,
+                topk_logprobs=np.ascontiguousarray(
+                    np.sort(base + rng.normal(0, 0.2, (c, k)), axis=1)[:, ::-1], dtype=np.float32
+                )
+                if k
+                else None,
+                group_id=group,
+                prompt_seq=group,
+                group_num_samples=cfg.group_size,
+            )
+        )
+    return plan
+
+
+def step_flops(config: Any, body_params: int, plans: list[RowPlan]) -> dict[str, float]:
+    """Model FLOPs of the rows in ``plans`` (see ``FLOP_FORMULA``), by term."""
+    h, v = config.hidden_size, config.vocab_size
+    attn_width = config.num_hidden_layers * config.num_attention_heads * config.head_dim
+    dense = 6.0 * body_params * sum(r.forwarded for r in plans)
+    head = 6.0 * v * h * sum(r.trained for r in plans)
+    attention = 12.0 * attn_width * sum(r.attn_pairs for r in plans)
+    return {"dense": dense, "head": head, "attention": attention, "total": dense + head + attention}
+
+
+# ---------------------------------------------------------------------------------------------------- one shape
+def _weightless_checkpoint(shape: str, root: Path) -> str:
+    """config.json plus an empty safetensors file: ``load_policy`` then initializes every weight at random."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config
+
+    path = root / shape
+    Qwen3Config(
+        **{"max_position_embeddings": 40960, "rope_theta": 1_000_000.0, **SHAPES[shape]}
+    ).save_pretrained(path)
+    save_file({}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return str(path)
+
+
+@dataclass
+class _Trainer:
+    """What one shape's timed steps drive."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    loss_fn: Any
+    packer: Any
+    shared_prompt: bool
+    max_grad_norm: float
+    body_params: int
+    """Parameters without the embedding / LM-head matrix (N of the FLOP formula)."""
+
+
+def build_trainer(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, root: Path) -> _Trainer:
+    """The model as ``asyncgrpo train`` builds it (load_policy, compile, FSDP2), AdamW, the loss and the packer."""
+    import torch
+
+    from asyncgrpo_cli import registry
+    from asyncgrpo_cli.config.schema import LossConfig, ModelConfig, PackingConfig, TrainerConfig
+    from asyncgrpo_cli.model.loading import load_policy
+    from asyncgrpo_cli.train.distributed import compile_decoder_layers, shard_model
+    from asyncgrpo_cli.train.optim import build_optimizer, build_scheduler
+
+    dtype, mixed = PRECISIONS[cfg.precision]
+    model_cfg = ModelConfig(
+        name_or_path=shape, dtype=dtype, gradient_checkpointing=cfg.gradient_checkpointing
+    )
+    if cfg.attn is not None:
+        model_cfg.attn_implementation = cfg.attn
+    tcfg = TrainerConfig(
+        mixed_precision=mixed, compile=cfg.compile, reshard_after_forward=cfg.reshard_after_forward
+    )
+    torch.manual_seed(cfg.seed)
+    model = load_policy(_weightless_checkpoint(shape, root), model_cfg, device)
+    head = model.config.vocab_size * model.config.hidden_size * (1 if model.config.tie_word_embeddings else 2)
+    body_params = sum(p.numel() for p in model.parameters()) - head
+    if tcfg.compile:
+        compile_decoder_layers(model)
+    model = shard_model(
+        model, info, device, tcfg.mixed_precision, tcfg.cpu_offload, tcfg.reshard_after_forward
+    )
+    optimizer = build_optimizer(model, tcfg)
+    packing = PackingConfig(token_budget=cfg.token_budget, **({"kind": cfg.packing} if cfg.packing else {}))
+    return _Trainer(
+        model=model,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, tcfg),
+        loss_fn=registry.resolve("loss", cfg.loss)(LossConfig(name=cfg.loss)),
+        packer=registry.resolve("packer", packing.kind)(packing),
+        shared_prompt=packing.kind == "tree",
+        max_grad_norm=tcfg.max_grad_norm,
+        body_params=body_params,
+    )
+
+
+def _sync_time(device: Any) -> float:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def timed_steps(t: _Trainer, cfg: TrainerBenchConfig, info: Any, device: Any) -> tuple[list, list, float]:
+    """Warm-up then timed optimizer steps: (forward+backward seconds, optimizer seconds) per timed step on this
+    rank, and the model FLOPs of the timed steps (rank 0; every rank's rows)."""
+    from asyncgrpo_cli.train.distributed import RankStep, reduce_raw_metrics, scatter_step
+    from asyncgrpo_cli.train.losses import merge_metric_parts
+    from asyncgrpo_cli.train.step import clip_and_step, forward_backward
+
+    rng = np.random.default_rng(cfg.seed)
+    config, planned = t.model.config, cfg.grad_accum * cfg.token_budget
+    fb_s, opt_s, flops = [], [], 0.0
+    for step in range(cfg.warmup + cfg.steps):
+        per_rank = None
+        if info.is_main:  # rank 0 plans every rank's rows, as the trainer does
+            plans = [
+                [
+                    synthetic_row(
+                        rng, cfg, config.vocab_size, t.shared_prompt, first_group=cfg.token_budget * i
+                    )
+                    for i in range(r * cfg.grad_accum, (r + 1) * cfg.grad_accum)
+                ]
+                for r in range(info.world_size)
+            ]
+            trained = sum(p.trained for rank in plans for p in rank)
+            per_rank = [
+                RankStep(done=False, rows=[p.samples for p in rank], num_trained=trained) for rank in plans
+            ]
+            if step >= cfg.warmup:
+                flops += step_flops(config, t.body_params, [p for rank in plans for p in rank])["total"]
+        mine = scatter_step(per_rank, info)
+        t0 = _sync_time(device)
+        res = forward_backward(
+            t.model, mine.rows, mine.num_trained, t.packer, t.loss_fn, device, 1.0, info.world_size
+        )
+        reduce_raw_metrics(merge_metric_parts(res.raw_parts), info)
+        t1 = _sync_time(device)
+        clip_and_step(t.model, t.optimizer, t.scheduler, t.max_grad_norm)
+        t2 = _sync_time(device)
+        if not math.isfinite(res.loss):
+            raise RuntimeError(f"bench trainer: step {step} gave a non-finite loss ({res.loss})")
+        if res.forwarded != planned:  # the FLOP count assumes exactly full rows
+            raise RuntimeError(f"bench trainer: rows forwarded {res.forwarded} tokens, planned {planned}")
+        if step >= cfg.warmup:
+            fb_s.append(t1 - t0)
+            opt_s.append(t2 - t1)
+    return fb_s, opt_s, flops
+
+
+def bench_shape(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, root: Path) -> dict[str, Any]:
+    import torch
+
+    t = build_trainer(shape, cfg, info, device, root)
+    config, attn = t.model.config, t.model.config._attn_implementation
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    fb_s, opt_s, flops = timed_steps(t, cfg, info, device)
+    n = cfg.steps
+    worst = _max_over_ranks(
+        [f + o for f, o in zip(fb_s, opt_s)]
+        + opt_s
+        + [_peak_gib(device, "allocated"), _peak_gib(device, "reserved")],
+        info,
+        device,
+    )
+    step_s, opt_max, peak = worst[:n], worst[n : 2 * n], worst[2 * n :]
+    body_params = t.body_params
+    del t  # free the model and optimizer before the next shape
+    _release(device, cfg.compile)
+    mean_step = float(np.mean(step_s))
+    tokens = info.world_size * cfg.grad_accum * cfg.token_budget
+    tflops = flops / sum(step_s) / info.world_size / 1e12
+    return {
+        "shape": shape,
+        "body_params": body_params,
+        "world_size": info.world_size,
+        "attn_implementation": attn,
+        "tokens_per_step": tokens,
+        "step_s": mean_step,
+        "step_s_min": float(np.min(step_s)),
+        "optimizer_s": float(np.mean(opt_max)),
+        "tokens_per_s": tokens / mean_step,
+        "tokens_per_s_per_gpu": tokens / mean_step / info.world_size,
+        "model_tflops_per_gpu": tflops,
+        "mfu": tflops / cfg.peak_tflops if device.type == "cuda" else None,
+        "peak_allocated_gib": peak[0],
+        "peak_reserved_gib": peak[1],
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_hidden_layers,
+    }
+
+
+def _peak_gib(device: Any, kind: str) -> float:
+    import torch
+
+    if device.type != "cuda":
+        return 0.0
+    fn = torch.cuda.max_memory_allocated if kind == "allocated" else torch.cuda.max_memory_reserved
+    return fn(device) / 2**30
+
+
+def _max_over_ranks(values: list[float], info: Any, device: Any) -> list[float]:
+    import torch
+
+    if not info.enabled:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _release(device: Any, compiled: bool) -> None:
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if compiled:
+        torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------------------------- report
+SAME_WORK = (
+    "token_budget",
+    "grad_accum",
+    "precision",
+    "gradient_checkpointing",
+    "compile",
+    "packing",
+    "attn",
+    "loss",
+    "prompt_len",
+    "completion_len",
+    "group_size",
+    "num_topk",
+)
+"""Keys a baseline must share for its tokens/s to be comparable."""
+
+
+def load_baseline(path: str, cfg: TrainerBenchConfig) -> tuple[dict[str, dict], list[str]]:
+    """The baseline's results by shape, and the keys in which its configuration differs from ``cfg``."""
+    try:
+        data = json.loads(Path(path).read_text())
+        by_shape = {r["shape"]: r for r in data["results"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"bench.baseline={path!r} is not a JSON written by out= ({e})") from e
+    return by_shape, [k for k in SAME_WORK if data.get("config", {}).get(k) != getattr(cfg, k)]
+
+
+def add_efficiency(result: dict[str, Any], baseline: dict[str, dict]) -> None:
+    """``scaling_efficiency`` = tokens/s per GPU over the baseline run's for the same shape (None without one)."""
+    b = baseline.get(result["shape"])
+    result["scaling_efficiency"] = result["tokens_per_s_per_gpu"] / b["tokens_per_s_per_gpu"] if b else None
+    result["baseline_world_size"] = b["world_size"] if b else None
+
+
+def preamble(cfg: TrainerBenchConfig, env: dict[str, Any]) -> str:
+    return (
+        f"asyncgrpo bench trainer on {env['world_size']} x {env['device']} (torch {env['torch']}, transformers "
+        f"{env['transformers']}): precision={cfg.precision}, packing={env['packing']}, gradient_checkpointing="
+        f"{cfg.gradient_checkpointing}, compile={cfg.compile}, reshard_after_forward={cfg.reshard_after_forward}, "
+        f"token_budget={cfg.token_budget}, grad_accum={cfg.grad_accum}, {cfg.steps} timed steps after "
+        f"{cfg.warmup} warm-up\n"
+        f"{'shape':>6} {'GPUs':>4} {'tok/step':>9} {'step s':>7} {'opt s':>6} {'tok/s':>9} {'tok/s/GPU':>9} "
+        f"{'TFLOP/s/GPU':>11} {'MFU':>6} {'peak GiB':>8} {'eff':>6}  attention"
+    )
+
+
+def table_row(r: dict[str, Any]) -> str:
+    mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+    eff = r.get("scaling_efficiency")
+    return (
+        f"{r['shape']:>6} {r['world_size']:>4} {r['tokens_per_step']:>9} {r['step_s']:>7.3f} "
+        f"{r['optimizer_s']:>6.3f} {r['tokens_per_s']:>9.0f} {r['tokens_per_s_per_gpu']:>9.0f} "
+        f"{r['model_tflops_per_gpu']:>11.4g} {mfu:>6} {r['peak_allocated_gib']:>8.1f} "
+        f"{f'{100 * eff:.0f}%' if eff is not None else '-':>6}  {r['attn_implementation']}"
+    )
+
+
+def footer(cfg: TrainerBenchConfig, env: dict[str, Any]) -> str:
+    lines = [FLOP_FORMULA + f" peak_tflops={cfg.peak_tflops:g}. eff = tok/s/GPU over the baseline= run's."]
+    if env["baseline_differs"]:
+        lines.append(
+            f"warning: the baseline ran different work ({', '.join(env['baseline_differs'])}): eff is not a "
+            "scaling efficiency"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    import torch
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    from asyncgrpo_cli.config.schema import PackingConfig, TrainerConfig
+    from asyncgrpo_cli.train.distributed import destroy_distributed, init_distributed
+    from asyncgrpo_cli.train.run import pick_device
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return
+    cfg = parse_args(argv)
+    baseline, differs = load_baseline(cfg.baseline, cfg) if cfg.baseline else ({}, [])
+    hf_logging.set_verbosity_error()  # the weightless checkpoint's "newly initialized" report
+    hf_logging.disable_progress_bar()
+    device = pick_device(cfg.device)
+    info = init_distributed(device, TrainerConfig().dist_timeout)
+    env = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "world_size": info.world_size,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "packing": cfg.packing or PackingConfig().kind,
+        "baseline_differs": differs,
+    }
+    results: list[dict[str, Any]] = []
+    try:
+        if info.is_main:
+            print(preamble(cfg, env), flush=True)
+        with tempfile.TemporaryDirectory(prefix="asyncgrpo-bench-") as tmp:
+            for shape in cfg.shapes.split(","):  # each row is printed and saved as soon as it is measured
+                result = bench_shape(shape, cfg, info, device, Path(tmp))
+                if not info.is_main:
+                    continue
+                add_efficiency(result, baseline)
+                results.append(result)
+                print(table_row(result), flush=True)
+                if cfg.out:
+                    doc = {
+                        "config": asdict(cfg),
+                        "env": env,
+                        "flop_formula": FLOP_FORMULA,
+                        "results": results,
+                    }
+                    Path(cfg.out).write_text(json.dumps(doc, indent=2))
+        if info.is_main:
+            print(footer(cfg, env), flush=True)
+    finally:
+        destroy_distributed()

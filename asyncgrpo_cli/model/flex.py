@@ -1,0 +1,164 @@
+"""Flex attention for packed rows: transformers' attention interface -> compiled ``flex_attention`` + a BlockMask.
+
+``model.attn_implementation`` (:data:`ATTN_CHOICES`):
+  - ``auto`` (default): ``flex_attention`` on CUDA, ``sdpa`` elsewhere;
+  - ``sdpa`` / ``eager``: the row's intervals rendered as a dense [T, T] mask (``packing/attention.py``);
+  - ``flex_attention``: the loader registers :func:`flex_attention_forward` with transformers under
+    :data:`FLEX_IMPL` and loads the model with it, so a stock Qwen3 / Llama runs it unchanged. The log-prob head
+    builds one block-sparse ``BlockMask`` per row from the intervals (never a T² mask) and passes it as
+    ``attention_mask``; transformers hands a 4D mask to every layer as-is. CUDA only: flex attention has no CPU
+    backward (docs/platform-notes.md).
+
+Compilation: ``flex_attention`` is compiled once per process (:func:`compiled_flex_attention`) with static
+shapes. Compiled flex can specialize on the row length even when asked for dynamic shapes (``flex_attention``
+compares q/k lengths with the BlockMask's Python-int lengths, which guards them; pytorch#189952), and dynamic
+flex kernels are the less-trodden path (on CPU, torch 2.13 fails to build one), so rows are padded to a
+power-of-two bucket (``packing.attention.flex_length``): a run compiles a handful of shapes instead
+of recompiling for every new row length until dynamo's recompile limit sends it to the eager fallback, which
+materializes the full score matrix. The padding costs a copy of q/k/v per layer: padded blocks are in no block
+list, so the kernel skips them.
+
+This module imports neither torch nor transformers at import time (``asyncgrpo check`` validates the choice).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+ATTN_CHOICES = ("auto", "sdpa", "eager", "flex_attention")
+"""Values of ``model.attn_implementation``."""
+FLEX_IMPL = "asyncgrpo_flex"
+"""The transformers ``attn_implementation`` key :func:`flex_attention_forward` is registered under."""
+FLEX_IMPLS = (FLEX_IMPL, "flex_attention")
+"""Keys whose attention takes a ``BlockMask`` (transformers' own flex forward too; it gets unpadded masks)."""
+
+
+def resolve_attn_implementation(name: str, device: Any) -> str:
+    """The transformers ``attn_implementation`` for ``model.attn_implementation=name`` on ``device``.
+
+    Raises ValueError naming the key and the fix for an unknown value or flex attention off CUDA.
+    """
+    if name not in ATTN_CHOICES:
+        raise ValueError(
+            f"model.attn_implementation={name!r} is not supported: use one of {', '.join(ATTN_CHOICES)} (flash "
+            "kernels would ignore a packed row's attention mask)"
+        )
+    if name == "auto":
+        name = "flex_attention" if device.type == "cuda" else "sdpa"
+    if name != "flex_attention":
+        return name
+    if device.type != "cuda":
+        raise ValueError(
+            f"model.attn_implementation=flex_attention needs a CUDA device (the trainer runs on {device}): flex "
+            "attention has no backward on CPU; use model.attn_implementation=auto or sdpa"
+        )
+    register_flex()
+    return FLEX_IMPL
+
+
+@functools.cache
+def register_flex() -> None:
+    """Register :func:`flex_attention_forward` with transformers under :data:`FLEX_IMPL`. Idempotent.
+
+    No mask builder is registered: transformers then passes ``attention_mask=None`` to a call without a 4D mask
+    (e.g. a plain ``model(input_ids)`` probe), which :func:`flex_attention_forward` treats as one causal sequence.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(FLEX_IMPL, flex_attention_forward)
+
+
+@functools.cache
+def compiled_flex_attention() -> Any:
+    """``torch.compile(flex_attention)`` with static shapes, created once per process (see the module doc)."""
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def row_block_mask(leave: Any, impl: str) -> Any:
+    """The ``BlockMask`` of a row's intervals ``leave`` (int64 [T]) for attention implementation ``impl``.
+
+    For :data:`FLEX_IMPL` on CUDA it is built at the padded length ``flex_length(T)``; elsewhere at T (the
+    uncompiled CPU forward and transformers' own flex forward take the row as is).
+    """
+    from asyncgrpo_cli.packing.attention import flex_block_mask, flex_length
+
+    n = int(leave.shape[0])
+    return flex_block_mask(leave, flex_length(n) if impl == FLEX_IMPL and leave.is_cuda else n)
+
+
+def _causal_block_mask(query: Any, key: Any) -> Any:
+    """The BlockMask of a plain causal forward (one sequence, no cache), for a call that passed no mask."""
+    import torch
+
+    batch, n = query.shape[0], query.shape[-2]
+    if batch != 1 or key.shape[-2] != n:
+        raise ValueError(
+            f"the {FLEX_IMPL} attention got no BlockMask for a batch of {batch} x {n} queries / "
+            f"{key.shape[-2]} keys: only a single sequence without cache runs without one (a padding mask would be "
+            "lost); pass a BlockMask (model/logprobs.py) or load the model with model.attn_implementation=sdpa"
+        )
+    return row_block_mask(torch.full((n,), n, dtype=torch.int64, device=query.device), FLEX_IMPL)
+
+
+def _pad_to(x: Any, length: int) -> Any:
+    """[B, H, L, D] -> [B, H, length, D], zero padded, contiguous (one memory layout per compiled shape)."""
+    import torch.nn.functional as F
+
+    if x.shape[-2] != length:
+        x = F.pad(x, (0, 0, 0, length - x.shape[-2]))
+    return x.contiguous()
+
+
+def flex_attention_forward(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Any, None]:
+    """transformers attention function: q [B, Hq, L, D], k / v [B, Hkv, S, D] -> ([B, L, Hq, D], None).
+
+    ``attention_mask`` is a ``BlockMask`` (see :func:`row_block_mask`), or None for one plain causal sequence;
+    q / k / v are zero-padded to the mask's lengths and the output cropped back. Compiled on CUDA, eager on CPU
+    (forward only: tests). A sliding window is not applied (the log-prob head refuses rows whose samples exceed
+    it); soft-capping, attention sinks and dropout are refused rather than silently dropped.
+    """
+    import torch
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    if attention_mask is None:
+        attention_mask = _causal_block_mask(query, key)
+    if not isinstance(attention_mask, BlockMask):
+        raise TypeError(
+            f"the {FLEX_IMPL} attention needs a flex BlockMask as attention_mask, got "
+            f"{type(attention_mask).__name__}: run the model through model/logprobs.token_logprobs (it builds one "
+            "per row), or load it with model.attn_implementation=sdpa"
+        )
+    if dropout > 0:
+        raise ValueError(
+            f"attention dropout ({dropout}) is not supported by {FLEX_IMPL}: set it to 0 in the config"
+        )
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"{FLEX_IMPL} does not implement attention {name}: use sdpa for this model"
+            )
+    q_len, kv_len = attention_mask.seq_lengths
+    n = query.shape[-2]
+    query = _pad_to(query, q_len)
+    key, value = _pad_to(key, kv_len), _pad_to(value, kv_len)
+    if torch.compiler.is_compiling():
+        attend = flex_attention  # inside a compiled layer (trainer.compile): compiled with it
+    else:
+        attend = compiled_flex_attention() if query.is_cuda else flex_attention
+    out = attend(
+        query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+    )
+    return out[:, :, :n].transpose(1, 2).contiguous(), None

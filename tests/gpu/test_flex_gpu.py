@@ -1,0 +1,162 @@
+"""CUDA: compiled flex attention + the interval-built BlockMask equals SDPA + the dense mask on the same packed row
+(log-probs and every parameter gradient, through the trainer's log-prob head with gradient checkpointing), on a
+tree row of ~1.3k tokens (fp32, bf16), on ~8k-token tree and sequence rows (many 128-blocks, padding to the 8192
+bucket), without recompiling for a new row length in the same bucket, and through the trainer's loader."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from asyncgrpo_cli.config.schema import LossConfig, ModelConfig, PackingConfig
+from asyncgrpo_cli.model.flex import FLEX_IMPL, register_flex
+from asyncgrpo_cli.model.logprobs import token_logprobs
+from asyncgrpo_cli.packing.sequence import SequencePacker
+from asyncgrpo_cli.packing.tree import TreePacker
+from asyncgrpo_cli.rollout.types import TrainingSequence
+
+pytestmark = pytest.mark.gpu
+VOCAB = 512
+CUDA = torch.device("cuda")
+
+
+def groups(
+    rng, num_groups: int, forks: int, prompt: int, completion: int, k: int = 3
+) -> list[TrainingSequence]:
+    """GRPO groups: ``forks`` completions (completion .. 2 x completion tokens) below one prompt each; every
+    third completion repeats the start of the previous one, so forks also happen inside completions."""
+    out = []
+    for g in range(num_groups):
+        head = rng.integers(0, VOCAB, size=prompt)
+        for i in range(forks):
+            tail = rng.integers(0, VOCAB, size=int(rng.integers(completion, 2 * completion)))
+            if i % 3 == 2:
+                tail[:5] = out[-1].input_ids[prompt : prompt + 5]
+            ids = np.concatenate([head, tail]).astype(np.int64)
+            mask = np.zeros(ids.shape[0], dtype=bool)
+            mask[prompt:] = True
+            n = int(mask.sum())
+            out.append(TrainingSequence(
+                input_ids=ids, train_mask=mask, sampler_logprobs=np.where(mask, -6.0, 0.0).astype(np.float32),
+                advantage=float(i) - forks / 2, topk_ids=rng.integers(0, VOCAB, size=(n, k)),
+                topk_logprobs=rng.normal(-6, 1, size=(n, k)).astype(np.float32), group_id=g, prompt_seq=g,
+            ))  # fmt: skip
+    return out
+
+
+def tiny_qwen3(dtype: torch.dtype):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=16384, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg).to(CUDA, dtype)
+    if hasattr(model, "activation_checkpointing_enable"):  # as model/loading.py does
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def run(model, row, impl: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Log-probs of the row and the gradients of a loss through log-probs and top-k log-probs, under ``impl``."""
+    register_flex()
+    model.set_attn_implementation(impl)
+    model.zero_grad(set_to_none=True)
+    stats = token_logprobs(model, row, 0.7, with_topk=True)
+    coef = torch.linspace(-1, 1, stats.logprobs.shape[0], device=CUDA)
+    ((coef * stats.logprobs).sum() + stats.topk_logprobs.exp().sum()).backward()
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.set_attn_implementation("sdpa")
+    return stats.logprobs.detach().float(), grads
+
+
+def assert_match(model, row, dtype: torch.dtype) -> None:
+    ref_lp, ref_g = run(model, row, "sdpa")  # dense [T, T] mask
+    lp, g = run(model, row, FLEX_IMPL)  # BlockMask, compiled flex, padded to flex_length(T)
+    assert g.keys() == ref_g.keys() and len(g) > 0
+    if dtype == torch.float32:
+        torch.testing.assert_close(lp, ref_lp, atol=2e-4, rtol=2e-4)
+        for name, ref in ref_g.items():
+            torch.testing.assert_close(g[name], ref, atol=2e-4, rtol=2e-3, msg=name)
+        return
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+    assert rel(lp, ref_lp) < 1e-2, rel(lp, ref_lp)
+    flat, ref_flat = (torch.cat([d[n].flatten() for n in ref_g]) for d in (g, ref_g))
+    assert rel(flat, ref_flat) < 3e-2, rel(flat, ref_flat)
+    for name, ref in ref_g.items():
+        assert rel(g[name], ref) < 1e-1, (name, rel(g[name], ref))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_flex_matches_sdpa_on_a_tree_row(dtype):
+    rng = np.random.default_rng(0)
+    row = (
+        TreePacker(PackingConfig())
+        .pack(groups(rng, num_groups=3, forks=8, prompt=150, completion=20))
+        .to(CUDA)
+    )
+    assert 1000 < row.num_forwarded < 2048 and row.num_unpacked > 2 * row.num_forwarded
+    assert_match(tiny_qwen3(dtype), row, dtype)
+
+
+@pytest.mark.parametrize("kind", ["tree", "sequence"])
+def test_flex_matches_sdpa_on_an_8k_row(kind):
+    """~8k forwarded tokens: 60+ query blocks, full and partial blocks, q/k/v padded to the 8192 bucket."""
+    rng = np.random.default_rng(1)
+    if kind == "tree":
+        row = TreePacker(PackingConfig()).pack(
+            groups(rng, num_groups=2, forks=16, prompt=1500, completion=80)
+        )
+    else:
+        row = SequencePacker(PackingConfig(kind="sequence")).pack(
+            groups(rng, 1, forks=6, prompt=1100, completion=80)
+        )
+    assert 6000 < row.num_forwarded <= 8192, row.num_forwarded
+    assert_match(tiny_qwen3(torch.float32), row.to(CUDA), torch.float32)
+
+
+def test_a_new_row_length_in_the_same_bucket_does_not_recompile():
+    from torch._dynamo.utils import counters
+
+    model = tiny_qwen3(torch.bfloat16)
+    rng = np.random.default_rng(2)
+    lengths = []
+    for completion in (20, 30):  # two rows of different lengths, both in the 2048 bucket
+        row = TreePacker(PackingConfig()).pack(groups(rng, 3, forks=8, prompt=150, completion=completion))
+        lengths.append(row.num_forwarded)
+        run(model, row.to(CUDA), FLEX_IMPL)
+        if len(lengths) == 1:
+            graphs = counters["stats"]["unique_graphs"]
+    assert lengths[0] != lengths[1] and all(1024 < n <= 2048 for n in lengths), lengths
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_trainer_loader_and_step_use_flex_on_cuda(tmp_path):
+    """load_policy with the default model.attn_implementation=auto picks flex; a trainer step runs through it,
+    and a plain model(input_ids) call (the weight-sync probe) still works."""
+    from asyncgrpo_cli.model.loading import load_policy
+    from asyncgrpo_cli.train.losses import ClippedLoss
+    from asyncgrpo_cli.train.step import forward_backward
+
+    tiny_qwen3(torch.float32).save_pretrained(tmp_path)
+    model = load_policy(str(tmp_path), ModelConfig(name_or_path=str(tmp_path), dtype="bfloat16"), CUDA)
+    assert model.config._attn_implementation == FLEX_IMPL
+    samples = groups(np.random.default_rng(3), 2, forks=8, prompt=100, completion=20)
+    rows = [samples[:8], samples[8:]]
+    res = forward_backward(model, rows, sum(s.num_trained for s in samples), TreePacker(PackingConfig()),
+                           ClippedLoss(LossConfig()), CUDA, temperature=1.0)  # fmt: skip
+    assert np.isfinite(res.loss) and res.unpacked > res.forwarded
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    with torch.no_grad():
+        ids = torch.from_numpy(samples[0].input_ids)[None].to(CUDA)
+        flex_logits = model(input_ids=ids, use_cache=False).logits.float()
+        model.set_attn_implementation("sdpa")
+        sdpa_logits = model(input_ids=ids, use_cache=False).logits.float()
+    assert float((flex_logits - sdpa_logits).abs().max()) < 5e-2

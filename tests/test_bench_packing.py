@@ -1,0 +1,47 @@
+"""``asyncgrpo bench packing`` on CPU with the tiny shape: the workloads hit their packing ratios, both packers see
+the same samples, the JSON records what the table prints, and bad options name the key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from asyncgrpo_cli.bench.packing import Options, parse_options, prompt_len
+from asyncgrpo_cli.errors import UserError
+
+
+@pytest.mark.slow
+def test_bench_packing_smoke(tmp_path, one_torch_thread, capsys):
+    from asyncgrpo_cli.bench.packing import main
+
+    out = tmp_path / "results.json"
+    main(["shapes=tiny", "ratios=1,3.4", "steps=1", "warmup=1", f"out={out}"])
+    table = capsys.readouterr().out
+    results = {r["ratio_target"]: r for r in json.loads(out.read_text())["results"]}
+    assert table.count("| tiny |") == 2
+    same = results[1.0]
+    assert same["ratio"] == pytest.approx(1.0)
+    assert same["tree"]["forwarded_tokens"] == same["sequence"]["forwarded_tokens"]
+    shared = results[3.4]
+    tree, seq = shared["tree"], shared["sequence"]
+    assert shared["ratio"] == pytest.approx(3.4, rel=0.05)
+    assert tree["sample_tokens"] == seq["sample_tokens"] == seq["forwarded_tokens"]
+    assert tree["trained_tokens"] == seq["trained_tokens"] > 0
+    assert seq["forwarded_tokens"] / tree["forwarded_tokens"] == pytest.approx(shared["ratio"])
+    assert tree["attention_pairs"] < seq["attention_pairs"] and 2 < shared["flop_bound"] < shared["ratio"]
+    assert shared["speedup"] > 1.0  # forwarding 3.4x fewer tokens is faster even on a busy CPU
+    assert tree["mfu"] is None and tree["peak_gib"] is None  # CUDA-only columns
+
+
+def test_bench_packing_options():
+    opts = parse_options(["shapes=0.6b,tiny", "ratios=1,3.4", "token_budget=4096", "out=x.json"])
+    assert opts.shapes == ["0.6b", "tiny"] and opts.ratios == [1.0, 3.4] and opts.token_budget == 4096
+    assert opts.out == "x.json" and opts.rows == Options().rows
+    with pytest.raises(UserError, match="KEY in shapes, ratios, token_budget"):
+        parse_options(["budget=4096"])
+    with pytest.raises(UserError, match="steps='two'"):
+        parse_options(["steps=two"])
+    with pytest.raises(UserError, match="ratio 8.0 needs 1 <= ratio < group_size .8."):
+        prompt_len(8.0, 8, 256)
+    assert prompt_len(1.0, 16, 256) == 1

@@ -1,0 +1,126 @@
+"""``asyncgrpo bench trainer``: synthetic rows fill the budget exactly and are counted as the packers count them,
+the FLOP formula, argument errors, and the bench itself on CPU with the tiny shape (one process and two ranks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from transformers import Qwen3Config
+
+from asyncgrpo_cli.bench.trainer import (
+    SHAPES,
+    TrainerBenchConfig,
+    load_baseline,
+    main,
+    parse_args,
+    step_flops,
+    synthetic_row,
+)
+from asyncgrpo_cli.config.schema import PackingConfig
+from asyncgrpo_cli.errors import UserError
+from asyncgrpo_cli.packing.sequence import SequencePacker
+from asyncgrpo_cli.packing.tree import TreePacker
+
+TINY = [
+    "shapes=tiny",
+    "device=cpu",
+    "steps=2",
+    "warmup=1",
+    "token_budget=1024",
+    "prompt_len=64",
+    "completion_len=128",
+]
+
+
+@pytest.mark.parametrize("packer", [TreePacker, SequencePacker])
+@pytest.mark.parametrize("budget,prompt,completion", [(1024, 64, 128), (2048, 300, 1500), (600, 512, 64)])
+def test_rows_fill_the_budget_and_count_like_the_packer(packer, budget, prompt, completion):
+    cfg = TrainerBenchConfig(token_budget=budget, prompt_len=prompt, completion_len=completion)
+    for seed in range(5):
+        plan = synthetic_row(np.random.default_rng(seed), cfg, 1024, packer is TreePacker, first_group=0)
+        row = packer(PackingConfig()).pack(plan.samples)
+        assert plan.forwarded == row.num_forwarded == budget
+        assert plan.trained == row.num_trained
+        # each token sees its root-to-token path: depth + 1 keys
+        assert plan.attn_pairs == int((row.position_ids + 1).sum())
+
+
+def test_step_flops_by_hand():
+    config = Qwen3Config(**SHAPES["tiny"])
+    plan = synthetic_row(
+        np.random.default_rng(0),
+        TrainerBenchConfig(token_budget=1024, prompt_len=64, completion_len=128),
+        1024,
+        False,
+        0,
+    )
+    flops = step_flops(config, body_params=1000, plans=[plan])
+    assert flops["dense"] == 6 * 1000 * 1024
+    assert flops["head"] == 6 * 1024 * 128 * plan.trained
+    assert flops["attention"] == 12 * 2 * 4 * 32 * plan.attn_pairs
+    assert flops["total"] == flops["dense"] + flops["head"] + flops["attention"]
+
+
+def test_bad_arguments_name_the_key():
+    with pytest.raises(UserError, match="did you mean 'token_budget'"):
+        parse_args(["token_budgt=1024"])
+    with pytest.raises(UserError, match=r"bench.shapes \(7b\): pick from 0.6b, 1.7b, tiny"):
+        parse_args(["shapes=7b"])
+    assert parse_args(["precision=bf16", "compile=true"]).compile is True
+
+
+def test_a_baseline_of_other_work_is_flagged(tmp_path):
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps({"config": {"token_budget": 8192}, "results": [{"shape": "0.6b"}]}))
+    by_shape, differs = load_baseline(str(path), TrainerBenchConfig())
+    assert set(by_shape) == {"0.6b"} and "token_budget" in differs and "precision" in differs
+    path.write_text("{}")
+    with pytest.raises(UserError, match="bench.baseline=.* is not a JSON written by out="):
+        load_baseline(str(path), TrainerBenchConfig())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "mixed"])
+def test_bench_on_cpu_writes_json_and_scales_against_a_baseline(tmp_path, capsys, precision):
+    base, again = tmp_path / "base.json", tmp_path / "again.json"
+    main([*TINY, f"precision={precision}", f"out={base}"])
+    main([*TINY, f"precision={precision}", f"out={again}", f"baseline={base}"])
+    out = capsys.readouterr().out
+    assert "MFU" in out and "6·N·T" in out
+    r = json.loads(again.read_text())["results"][0]
+    assert r["shape"] == "tiny" and r["world_size"] == 1 and r["tokens_per_step"] == 1024
+    assert r["tokens_per_s"] > 0 and r["model_tflops_per_gpu"] > 0 and r["mfu"] is None  # no peak on CPU
+    assert r["scaling_efficiency"] > 0
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_bench_under_torchrun_on_two_cpu_ranks(tmp_path):
+    base, two = tmp_path / "base.json", tmp_path / "two.json"
+    main([*TINY, f"out={base}"])
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "asyncgrpo_cli",
+        "bench",
+        "trainer",
+        *TINY,
+        f"out={two}",
+        f"baseline={base}",
+    ]
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(two.read_text())["results"][0]
+    assert r["world_size"] == 2 and r["tokens_per_step"] == 2048 and r["baseline_world_size"] == 1
+    assert r["scaling_efficiency"] > 0

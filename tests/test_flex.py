@@ -1,0 +1,201 @@
+"""Flex attention on CPU: the BlockMask built from a row's intervals equals ``create_block_mask`` exactly, the flex
+forward (uncompiled) equals SDPA with the dense mask on tree and sequence rows, and ``model.attn_implementation``
+is resolved and validated (flex refused off CUDA). Hybrid linear-attention models are refused for packed rows.
+Gradients of the flex path need CUDA: tests/gpu/test_flex_gpu.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+from asyncgrpo_cli.config.schema import ModelConfig, PackingConfig
+from asyncgrpo_cli.errors import ConfigError, UserError
+from asyncgrpo_cli.model.flex import FLEX_IMPL, register_flex, resolve_attn_implementation
+from asyncgrpo_cli.model.logprobs import token_logprobs
+from asyncgrpo_cli.packing.attention import flex_block_mask, flex_length, tree_mask_mod
+from asyncgrpo_cli.packing.sequence import SequencePacker
+from asyncgrpo_cli.packing.tree import TreePacker
+from tests.test_tree_packing import random_forest, sample
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def forked_groups(rng, num_groups: int = 3, forks: int = 6, prompt: int = 100, vocab: int = 300) -> list:
+    """GRPO-like groups: ``forks`` completions (10-60 tokens, a few forking late) below a shared prompt."""
+    out = []
+    for g in range(num_groups):
+        head = rng.integers(0, vocab, size=prompt)
+        for i in range(forks):
+            tail = rng.integers(0, vocab, size=int(rng.integers(10, 60)))
+            if i % 3 == 2:  # shares part of the previous completion: a fork below the prompt
+                tail[:5] = out[-1].input_ids[prompt : prompt + 5]
+            out.append(sample(np.concatenate([head, tail]), prompt, adv=i - 2.5, group=g, k=3, rng=rng))
+    return out
+
+
+def block_sets(num: torch.Tensor, idx: torch.Tensor) -> list[set[int]]:
+    """The key blocks each query block lists (the first ``num`` entries of its index row)."""
+    return [set(idx[0, 0, q, : int(num[0, 0, q])].tolist()) for q in range(num.shape[-1])]
+
+
+@pytest.mark.parametrize("block", [16, 128])
+def test_block_mask_from_intervals_equals_create_block_mask(block):
+    """Partial and full block lists, unpadded and padded, equal flex's own T² evaluation of the mask_mod."""
+    rng = np.random.default_rng(0)
+    rows = [TreePacker(PackingConfig()).pack(forked_groups(rng, prompt=p)) for p in (100, 300)]
+    rows += [TreePacker(PackingConfig()).pack(random_forest(rng, vocab=4)) for _ in range(3)]
+    rows.append(SequencePacker(PackingConfig(kind="sequence")).pack(forked_groups(rng, num_groups=2)))
+    num_full = 0
+    for row in rows:
+        n = row.num_forwarded
+        for length in (n, n + 3 * block + 5):
+            ours = flex_block_mask(row.leave, length, block)
+            ref = create_block_mask(
+                tree_mask_mod(row.leave, length, block),
+                None,
+                None,
+                length,
+                length,
+                device="cpu",
+                BLOCK_SIZE=block,
+            )
+            assert ours.seq_lengths == (length, length)
+            assert block_sets(ours.kv_num_blocks, ours.kv_indices) == block_sets(
+                ref.kv_num_blocks, ref.kv_indices
+            )
+            full = block_sets(ours.full_kv_num_blocks, ours.full_kv_indices)
+            assert full == block_sets(ref.full_kv_num_blocks, ref.full_kv_indices)
+            num_full += sum(len(f) for f in full)
+    assert num_full > 0  # a long shared prompt gives blocks that skip the mask_mod
+
+
+def test_flex_length_buckets():
+    assert [flex_length(n) for n in (1, 1000, 1024, 1025, 8000, 16384, 16385)] == [
+        1024, 1024, 1024, 2048, 8192, 16384, 32768,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    register_flex()
+    return AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    )
+
+
+def run_both(model, row) -> dict:
+    """token_logprobs of ``row`` under SDPA (dense mask) and the registered flex attention (BlockMask)."""
+    out = {}
+    with torch.no_grad():  # flex has no CPU backward
+        for impl in ("sdpa", FLEX_IMPL):
+            model.set_attn_implementation(impl)
+            out[impl] = token_logprobs(model, row, 0.7, with_topk=True)
+    model.set_attn_implementation("sdpa")
+    return out
+
+
+@pytest.mark.parametrize("kind", ["tree", "sequence"])
+def test_flex_forward_equals_sdpa(qwen3, kind, one_torch_thread):
+    rng = np.random.default_rng(1)
+    samples = forked_groups(rng, vocab=qwen3.config.vocab_size)
+    packer = TreePacker(PackingConfig()) if kind == "tree" else SequencePacker(PackingConfig(kind="sequence"))
+    row = packer.pack(samples)
+    assert row.num_forwarded > 3 * 128  # several flex blocks
+    out = run_both(qwen3, row)
+    ref, flex = out["sdpa"], out[FLEX_IMPL]
+    torch.testing.assert_close(flex.logprobs, ref.logprobs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(flex.entropy, ref.entropy, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(flex.topk_logprobs, ref.topk_logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_flex_forward_padded_to_its_bucket_equals_sdpa(qwen3, one_torch_thread):
+    """The CUDA layout (q/k/v zero-padded to flex_length(T), padded blocks listed nowhere) on CPU."""
+    row = TreePacker(PackingConfig()).pack(
+        forked_groups(np.random.default_rng(2), vocab=qwen3.config.vocab_size)
+    )
+    decoder = qwen3.get_decoder()
+
+    def hidden(mask):
+        return decoder(
+            input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=mask, use_cache=False
+        ).last_hidden_state
+
+    with torch.no_grad():
+        ref = hidden(row.attention_mask)
+        qwen3.set_attn_implementation(FLEX_IMPL)
+        try:
+            padded = hidden(flex_block_mask(row.leave, flex_length(row.num_forwarded)))
+        finally:
+            qwen3.set_attn_implementation("sdpa")
+    torch.testing.assert_close(padded, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_flex_without_a_mask_is_one_causal_sequence(qwen3, one_torch_thread):
+    """A plain model(input_ids) call (e.g. the weight-sync probe) gets no mask from transformers: causal."""
+    ids = torch.randint(0, qwen3.config.vocab_size, (1, 70))
+    with torch.no_grad():
+        ref = qwen3(input_ids=ids, use_cache=False).logits
+        qwen3.set_attn_implementation(FLEX_IMPL)
+        try:
+            got = qwen3(input_ids=ids, use_cache=False).logits
+            with pytest.raises(ValueError, match="only a single sequence"):
+                qwen3(input_ids=ids.repeat(2, 1), use_cache=False)
+            with pytest.raises(TypeError, match="BlockMask"):
+                qwen3.get_decoder()(input_ids=ids, attention_mask=torch.ones(1, 1, 70, 70, dtype=torch.bool))
+        finally:
+            qwen3.set_attn_implementation("sdpa")
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_attn_implementation_is_resolved_per_device():
+    from transformers import AttentionInterface
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_attn_implementation("auto", cpu) == "sdpa"
+    assert resolve_attn_implementation("eager", cuda) == "eager"
+    assert resolve_attn_implementation("auto", cuda) == FLEX_IMPL
+    assert resolve_attn_implementation("flex_attention", cuda) == FLEX_IMPL
+    assert FLEX_IMPL in AttentionInterface._global_mapping
+    with pytest.raises(ValueError, match="model.attn_implementation=flex_attention needs a CUDA device"):
+        resolve_attn_implementation("flex_attention", cpu)
+    with pytest.raises(ValueError, match="model.attn_implementation='flash_attention_2' is not supported"):
+        resolve_attn_implementation("flash_attention_2", cuda)
+
+
+def test_config_validates_attn_implementation():
+    pytest.importorskip("hydra")  # absent on the GPU hosts
+    from asyncgrpo_cli.config.compose import compose_config
+
+    assert compose_config(["+recipe=tiny"]).model.attn_implementation == "auto"
+    assert compose_config(["+recipe=tiny"]).packing.kind == "tree"
+    with pytest.raises(ConfigError, match="model.attn_implementation .'flash_attention_2'. must be one of"):
+        compose_config(["+recipe=tiny", "model.attn_implementation=flash_attention_2"])
+    with pytest.raises(ConfigError, match="flex_attention needs trainer.device=cuda"):
+        compose_config(["+recipe=tiny", "model.attn_implementation=flex_attention", "trainer.device=cpu"])
+
+
+def test_loader_refuses_flex_on_cpu(tiny_model_dir):
+    from asyncgrpo_cli.model.loading import load_policy
+
+    cfg = ModelConfig(name_or_path=str(tiny_model_dir), attn_implementation="flex_attention")
+    with pytest.raises(UserError, match="needs a CUDA device"):
+        load_policy(str(tiny_model_dir), cfg, torch.device("cpu"))
+
+
+def test_hybrid_linear_attention_models_are_refused(tmp_path):
+    """Gated-DeltaNet layers get no 4D mask and carry state across the row: no packer is exact for them."""
+    from transformers import Qwen3NextConfig
+
+    from asyncgrpo_cli.model.loading import load_policy
+
+    Qwen3NextConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    cfg = ModelConfig(name_or_path=str(tmp_path))
+    with pytest.raises(UserError, match="packing.kind=tree and packing.kind=sequence alike"):
+        load_policy(str(tmp_path), cfg, torch.device("cpu"))

@@ -1,0 +1,81 @@
+"""``pause(keep)`` / ``resume`` of real vLLM (CPU build) with requests in flight.
+
+"In flight" is established on the client side: every request has streamed its first token before the pause.
+vLLM CPU's ``/metrics`` gauges were too unreliable for that (``vllm:num_requests_running`` was seen at 0 while
+requests ran, or requests finished between two scrapes). While paused, no request may finish or fail and the
+streams must stall; after ``resume`` every request completes with all its tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.vllm.common import NAME, PROMPT
+
+pytestmark = pytest.mark.vllm
+
+
+def test_pause_keep_freezes_requests_in_flight_and_resume_finishes_them(backend, client):
+    control = backend.control
+    n, max_tokens = 4, 4000
+    started = threading.Semaphore(0)
+    chunks = [0] * n
+    results: list[tuple[str | None, int]] = []  # (finish_reason, completion tokens) per finished request
+    errors: list[str] = []
+
+    def one(i: int) -> None:
+        body = {
+            "model": NAME,
+            "prompt": PROMPT,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 1.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        finish, tokens = None, 0
+        try:
+            with httpx.stream("POST", f"{backend.base_url}/v1/completions", json=body, timeout=300) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    data = json.loads(line[len("data: ") :])
+                    if data.get("usage"):
+                        tokens = data["usage"]["completion_tokens"]
+                    for choice in data.get("choices") or []:
+                        chunks[i] += 1
+                        if chunks[i] == 1:
+                            started.release()
+                        finish = choice.get("finish_reason") or finish
+            results.append((finish, tokens))
+        except Exception as e:  # reported by the main thread
+            errors.append(f"{type(e).__name__}: {e}")
+            started.release()
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 180
+    for _ in range(n):
+        assert started.acquire(timeout=max(0.0, deadline - time.monotonic())), "a request never started"
+    assert not errors and not results, (errors, results)  # all n streaming, none finished
+    control.pause(mode="keep")
+    try:
+        assert client.get("/is_paused").json() == {"is_paused": True}
+        time.sleep(1.0)  # chunks generated before the pause may still be on their way
+        frozen = list(chunks)
+        time.sleep(2.0)
+        assert chunks == frozen, f"tokens streamed while paused: {frozen} -> {chunks}"
+        assert not results and not errors and all(t.is_alive() for t in threads)  # frozen, not aborted
+    finally:
+        control.resume()
+    assert client.get("/is_paused").json() == {"is_paused": False}
+    for t in threads:
+        t.join(timeout=240)
+    assert not errors and len(results) == n, (errors, results)
+    assert all(r == ("length", max_tokens) for r in results), results

@@ -110,7 +110,9 @@ def _torchrun_run_dir(args: list[str]) -> list[str]:
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or any(a.startswith("hydra.run.dir=") for a in args):
         return args
     if "-m" in args or "--multirun" in args:
-        raise UserError("Hydra multirun sweeps cannot run under torchrun: launch one torchrun per configuration.")
+        raise UserError(
+            "Hydra multirun sweeps cannot run under torchrun: launch one torchrun per configuration."
+        )
     run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "dist")
     return [*args, f"hydra.run.dir=outputs/${{now:%Y-%m-%d}}/torchrun-{run_id}"]
 
@@ -218,7 +220,9 @@ def _probe(cfg) -> None:
     if cfg.server.backend == "vllm_launch":
         from asyncgrpo_cli.server.vllm_launch import preview_command
 
-        print(f"--probe-server: train starts vLLM and probes it once up; the command:\n  {preview_command(cfg)}")
+        print(
+            f"--probe-server: train starts vLLM and probes it once up; the command:\n  {preview_command(cfg)}"
+        )
         return
     control = ServerControl(cfg.server.base_url, cfg.server.timeout)
     try:

@@ -18,17 +18,43 @@ HELPERS = Path(__file__).parent / "helpers"
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        *args,
+    ]
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+    )
 
 
 @pytest.mark.parametrize("loss", ["score_centering", "clipped"])
 def test_two_ranks_match_one_process(tiny_model_dir, tmp_path, loss):
     """Two optimizer steps: FSDP2 on 2 ranks (one row each) == one process (the rows as 2 micro-batches)."""
     script = str(HELPERS / "dist_equivalence.py")
-    one = subprocess.run([sys.executable, script, "--model", str(tiny_model_dir), "--out", str(tmp_path / "1.pt"),
-                          "--loss", loss], capture_output=True, text=True, timeout=300)
+    one = subprocess.run(
+        [
+            sys.executable,
+            script,
+            "--model",
+            str(tiny_model_dir),
+            "--out",
+            str(tmp_path / "1.pt"),
+            "--loss",
+            loss,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stderr[-2000:]
     two = torchrun(script, "--model", str(tiny_model_dir), "--out", str(tmp_path / "2.pt"), "--loss", loss)
     assert two.returncode == 0, two.stderr[-3000:]
@@ -56,8 +82,12 @@ def test_torchrun_train_save_and_resume_on_another_world_size(tmp_path):
     assert {"rng-0.pt", "rng-1.pt", "dcp", "model", "rollout_state.json"} <= {p.name for p in ckpt.iterdir()}
     assert json.loads((ckpt / "trainer_state.json").read_text())["world_size"] == 2
     # resume with one process: DCP reshards the 2-rank checkpoint
-    out = subprocess.run([sys.executable, *base, "trainer.max_steps=3", "trainer.resume=auto"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, *base, "trainer.max_steps=3", "trainer.resume=auto"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert _steps(run) == [1, 2, 3]
     # and back to two ranks
@@ -70,9 +100,17 @@ def test_torchrun_train_save_and_resume_on_another_world_size(tmp_path):
 
 def test_one_failing_rank_stops_every_rank_with_its_error(tmp_path):
     t0 = time.monotonic()
-    out = torchrun("-m", "asyncgrpo_cli", "train", "+recipe=tiny", "logging.console=plain",
-                   "loss.name=tests.helpers.rank_fail:FailsOnRankOne", "trainer.max_steps=50",
-                   f"hydra.run.dir={tmp_path / 'r'}", timeout=240)
+    out = torchrun(
+        "-m",
+        "asyncgrpo_cli",
+        "train",
+        "+recipe=tiny",
+        "logging.console=plain",
+        "loss.name=tests.helpers.rank_fail:FailsOnRankOne",
+        "trainer.max_steps=50",
+        f"hydra.run.dir={tmp_path / 'r'}",
+        timeout=240,
+    )
     assert out.returncode != 0
     assert "rank 1 failed on purpose" in out.stderr + out.stdout
     assert time.monotonic() - t0 < 120

@@ -211,8 +211,18 @@ def _alive(pid: int) -> bool:
 
 def test_sigterm_stops_every_process_the_run_started(tmp_path):
     run = tmp_path / "r"
-    args = [sys.executable, "-m", "asyncgrpo_cli", "train", "+recipe=tiny", "logging.console=plain",
-            "trainer.max_steps=10000", "trainer.save_steps=0", "trainer.save_final=false", f"hydra.run.dir={run}"]
+    args = [
+        sys.executable,
+        "-m",
+        "asyncgrpo_cli",
+        "train",
+        "+recipe=tiny",
+        "logging.console=plain",
+        "trainer.max_steps=10000",
+        "trainer.save_steps=0",
+        "trainer.save_final=false",
+        f"hydra.run.dir={run}",
+    ]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120

@@ -35,7 +35,9 @@ def test_one_group_at_a_time_until_first_completes_then_token_paced():
     t.start(1, 4)  # +400 estimated
     assert t.outstanding(consumed=0) == 800
     assert not t.can_start(allowance=1000, consumed=0, num_generations=4)  # 800 + 400 > 1000: held
-    assert t.can_start(allowance=1000, consumed=400, num_generations=4)  # the trainer consumed the first group
+    assert t.can_start(
+        allowance=1000, consumed=400, num_generations=4
+    )  # the trainer consumed the first group
     t.finish(1, [50] * 4, queued_tokens=0)  # dropped group: nothing queued, estimate now 300 per group
     assert t.outstanding(consumed=400) == 0
     assert t.can_start(allowance=100, consumed=400, num_generations=4)  # nothing outstanding: never stalls

@@ -21,13 +21,30 @@ def _model(shape: str):
 
     torch.manual_seed(0)
     if shape == "smollm2":
-        cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
-                          max_position_embeddings=2048, eos_token_id=2)
+        cfg = LlamaConfig(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=64,
+            tie_word_embeddings=True,
+            max_position_embeddings=2048,
+            eos_token_id=2,
+        )
         return LlamaForCausalLM(cfg).eval()
-    cfg = Qwen3Config(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
-                      eos_token_id=2)
+    cfg = Qwen3Config(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+    )
     return Qwen3ForCausalLM(cfg).eval()
 
 
@@ -36,14 +53,30 @@ def _engine_tok_s(model, prompts: list[list[int]], new: int, num_logprobs: int) 
     from asyncgrpo_cli.server.sampling import SamplingParams
 
     max_len = max(len(p) for p in prompts) + new + 1
-    engine = GenerationEngine(model, eos_token_ids=[], max_model_len=max_len, max_num_seqs=len(prompts),
-                              kv_cache_tokens=max_len * len(prompts), seed=0)
+    engine = GenerationEngine(
+        model,
+        eos_token_ids=[],
+        max_model_len=max_len,
+        max_num_seqs=len(prompts),
+        kv_cache_tokens=max_len * len(prompts),
+        seed=0,
+    )
     engine.start()
     try:
         t0 = time.perf_counter()
-        handles = [engine.submit(GenerationRequest(prompt_ids=p, max_tokens=new, seed=i, num_logprobs=num_logprobs,
-                                                   params=SamplingParams(temperature=1.0), ignore_eos=True))
-                   for i, p in enumerate(prompts)]
+        handles = [
+            engine.submit(
+                GenerationRequest(
+                    prompt_ids=p,
+                    max_tokens=new,
+                    seed=i,
+                    num_logprobs=num_logprobs,
+                    params=SamplingParams(temperature=1.0),
+                    ignore_eos=True,
+                )
+            )
+            for i, p in enumerate(prompts)
+        ]
         for h in handles:
             if not h.wait(timeout=3600):
                 raise TimeoutError("engine request did not finish within an hour")
@@ -59,8 +92,16 @@ def _generate_tok_s(model, prompts: list[list[int]], new: int) -> float:
     ids = torch.tensor(prompts)
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
-                             max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            pad_token_id=0,
+        )
     return (out.shape[1] - ids.shape[1]) * ids.shape[0] / (time.perf_counter() - t0)
 
 
@@ -79,11 +120,15 @@ def main(argv: list[str]) -> None:
     model = _model(args.shape)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    print(f"shape {args.shape}, {args.threads} torch thread(s), prompt {args.prompt_len}, {args.new} new tokens, "
-          f"top-{args.num_logprobs} log-probs, groups of 8 sharing a prompt")
+    print(
+        f"shape {args.shape}, {args.threads} torch thread(s), prompt {args.prompt_len}, {args.new} new tokens, "
+        f"top-{args.num_logprobs} log-probs, groups of 8 sharing a prompt"
+    )
     print(f"{'concurrency':>11} {'engine tok/s':>13} {'generate tok/s':>15} {'ratio':>6}")
     for c in (int(x) for x in args.concurrency.split(",")):
-        groups = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range((c + 7) // 8)]
+        groups = [
+            torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range((c + 7) // 8)
+        ]
         prompts = [groups[i // 8] for i in range(c)]
         eng = _engine_tok_s(model, prompts, args.new, args.num_logprobs)
         ref = _generate_tok_s(model, prompts, args.new)

@@ -25,7 +25,9 @@ class LoraConfig:
         "Train a PEFT LoRA adapter instead of the full model (only adapter parameters reach the optimizer). "
         "server.weight_sync=lora pushes the adapter; server.weight_sync=disk pushes merged full weights.",
     )
-    r: int = F(16, "Adapter rank; vLLM serves it under --max-lora-rank (1, 8, 16, 32, 64, 128, 256, 320, 512).")
+    r: int = F(
+        16, "Adapter rank; vLLM serves it under --max-lora-rank (1, 8, 16, 32, 64, 128, 256, 320, 512)."
+    )
     alpha: float = F(32.0, "lora_alpha: the adapter's output is scaled by alpha / r.")
     dropout: float = F(0.0, "lora_dropout on the adapter's input while training (none at inference).")
     target_modules: list[str] = F(
@@ -121,9 +123,12 @@ class VllmLaunchConfig:
         factory=list,
     )
     max_model_len: int = F(2048, "--max-model-len: the longest prompt + completion the server accepts.")
-    dtype: str = F("float32", "--dtype of the served weights; match model.dtype to keep log-probs comparable.")
+    dtype: str = F(
+        "float32", "--dtype of the served weights; match model.dtype to keep log-probs comparable."
+    )
     max_logprobs: int = F(
-        20, "--max-logprobs: top log-probs a request may ask for; >= sampling.num_sampler_logprobs (-1: no cap)."
+        20,
+        "--max-logprobs: top log-probs a request may ask for; >= sampling.num_sampler_logprobs (-1: no cap).",
     )
     enforce_eager: bool = F(
         False, "--enforce-eager: no CUDA graphs or compilation (faster start, slower decode)."
@@ -151,7 +156,9 @@ class VllmLaunchConfig:
         "on CPU).",
         factory=dict,
     )
-    stop_timeout: float = F(30.0, "Seconds to wait after SIGTERM before the server's process group is killed.")
+    stop_timeout: float = F(
+        30.0, "Seconds to wait after SIGTERM before the server's process group is killed."
+    )
 
 
 @dataclass
@@ -167,7 +174,8 @@ class NcclSyncConfig:
         "the server follows the trainer's value). Extra GPU memory on each side: about buffer x num_buffers.",
     )
     num_buffers: int = F(
-        2, "Packed mode: buffers (CUDA streams) in flight, so packing one overlaps sending the previous (>= 1)."
+        2,
+        "Packed mode: buffers (CUDA streams) in flight, so packing one overlaps sending the previous (>= 1).",
     )
     timeout: float = F(
         600.0,
@@ -362,7 +370,9 @@ class TrainerConfig:
         None, "Resume from a checkpoint: 'auto' (latest in the run dir) or a checkpoint path."
     )
     seed: int = F(42, "Seed for the trainer (init, data order).")
-    save_hf_model: bool = F(True, "Also write the policy as an HF model directory (checkpoint/model) in checkpoints.")
+    save_hf_model: bool = F(
+        True, "Also write the policy as an HF model directory (checkpoint/model) in checkpoints."
+    )
     mixed_precision: str | None = F(
         None,
         "bfloat16: fp32 master weights (model.dtype=float32) computed in bf16, gradients reduced in fp32 (FSDP2, "

@@ -205,7 +205,10 @@ def _range_errors(cfg: RootConfig) -> list[str]:
         nc.num_buffers >= 1 and nc.buffer_size_bytes >= 1,
         "server.nccl.num_buffers and server.nccl.buffer_size_bytes must be >= 1.",
     )
-    need(nc.timeout > 0 and nc.init_timeout > 0, "server.nccl.timeout and server.nccl.init_timeout must be > 0.")
+    need(
+        nc.timeout > 0 and nc.init_timeout > 0,
+        "server.nccl.timeout and server.nccl.init_timeout must be > 0.",
+    )
     if sv.weight_sync == "nccl":
         need(
             tr.device != "cpu",

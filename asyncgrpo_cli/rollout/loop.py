@@ -346,8 +346,12 @@ class AsyncRolloutLoop:
     ) -> None:
         G = self.settings.sampling.num_generations
         version = int(self.shared.model_version.value)
-        start_group(self.settings.versioned_model, self.settings.served_model, version,
-                    lambda: int(self.shared.model_version.value))  # LoRA sync: this version's adapter name
+        start_group(
+            self.settings.versioned_model,
+            self.settings.served_model,
+            version,
+            lambda: int(self.shared.model_version.value),
+        )  # LoRA sync: this version's adapter name
         prompt = row["prompt"]
         try:
             rollouts = await asyncio.gather(*(self._timed_rollout(prompt, group_id) for _ in range(G)))

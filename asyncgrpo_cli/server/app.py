@@ -366,8 +366,9 @@ def build_app(model_dir: str, cfg: EmbeddedServerConfig, served_model_name: str 
         defaults=sampling_defaults(model_dir),
     )
     adapters = lora.AdapterSet(model, ctx.served_name) if cfg.enable_lora else None
-    return EmbeddedApp(engine=engine, ctx=ctx, model_dir=model_dir, cfg=cfg, dtype_name=str(model.dtype),
-                       adapters=adapters)
+    return EmbeddedApp(
+        engine=engine, ctx=ctx, model_dir=model_dir, cfg=cfg, dtype_name=str(model.dtype), adapters=adapters
+    )
 
 
 def serving_device(name: str):

@@ -18,7 +18,9 @@ def resolve_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32", device: str | torch.device = "cpu") -> torch.nn.Module:
+def load_model(
+    model_dir: str | Path, dtype: str = "float32", device: str | torch.device = "cpu"
+) -> torch.nn.Module:
     """Load a causal LM for serving on ``device`` (SDPA attention, eval mode, no grad)."""
     from transformers import AutoModelForCausalLM
 

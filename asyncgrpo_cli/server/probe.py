@@ -362,7 +362,10 @@ def fix_command(report: ServerReport, cfg: RootConfig, model_path: str | None = 
         need = cfg.server.vllm_launch
         launch = replace(launch, max_lora_rank=need.max_lora_rank, max_loras=need.max_loras)
     flags = serve_flags(
-        launch, served_model_name=name, cpu=report.is_cpu_vllm, sampling_mask=suggest_mask_flags(report, cfg),
+        launch,
+        served_model_name=name,
+        cpu=report.is_cpu_vllm,
+        sampling_mask=suggest_mask_flags(report, cfg),
         lora=lora,
     )
     env = f"VLLM_SERVER_DEV_MODE=1 PYTHONPATH={shlex.quote(str(extension_pythonpath()))}"

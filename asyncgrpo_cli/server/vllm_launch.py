@@ -310,7 +310,10 @@ class VllmLaunchBackend(ServerBackend):
         if self.install is None:
             self.install = find_vllm(self.launch)
         return self.install.argv(self.model_path) + serve_flags(
-            self.launch, served_model_name=self.served_model_name, cpu=self.install.cpu, port=port,
+            self.launch,
+            served_model_name=self.served_model_name,
+            cpu=self.install.cpu,
+            port=port,
             lora=self.cfg.weight_sync == "lora",
         )
 

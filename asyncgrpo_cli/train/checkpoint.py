@@ -53,9 +53,12 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)
-             and (p / "trainer_state.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX):]))
+    found = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(STEP_PREFIX) and (p / "trainer_state.json").is_file()
+    ]
+    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
 
 
 def _training_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -65,9 +68,18 @@ def _training_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, A
     return {"model": model_sd, "optim": optim_sd}
 
 
-def save_checkpoint(run_dir: Path, model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
-                    state: TrainerState, rollout_state: dict[str, Any], save_total_limit: int | None,
-                    info: DistInfo | None = None, save_hf_model: bool = True) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    model: Any,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    state: TrainerState,
+    rollout_state: dict[str, Any],
+    save_total_limit: int | None,
+    info: DistInfo | None = None,
+    save_hf_model: bool = True,
+) -> Path:
     import torch.distributed.checkpoint as dcp
 
     from asyncgrpo_cli.model.lora import has_lora, save_adapter
@@ -95,9 +107,11 @@ def save_checkpoint(run_dir: Path, model: Any, tokenizer: Any, optimizer: torch.
             tokenizer.save_pretrained(tmp / "model")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / "rollout_state.json").write_text(
-            json.dumps({**rollout_state, "model_version": state.model_version}, indent=2))
-        (tmp / "trainer_state.json").write_text(json.dumps({**state.to_dict(), "world_size": info.world_size},
-                                                           indent=2))
+            json.dumps({**rollout_state, "model_version": state.model_version}, indent=2)
+        )
+        (tmp / "trainer_state.json").write_text(
+            json.dumps({**state.to_dict(), "world_size": info.world_size}, indent=2)
+        )
     barrier(info)
     if info.is_main:
         if final.exists():
@@ -122,8 +136,10 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path) -> Path | None:
         return path
     if path.is_dir() and list_checkpoints(path):
         return list_checkpoints(path)[-1]
-    raise UserError(f"trainer.resume={resume!r} is neither 'auto' nor a checkpoint directory (one holding "
-                    "trainer_state.json) nor a run directory with checkpoints/.")
+    raise UserError(
+        f"trainer.resume={resume!r} is neither 'auto' nor a checkpoint directory (one holding "
+        "trainer_state.json) nor a run directory with checkpoints/."
+    )
 
 
 @dataclass
@@ -135,15 +151,19 @@ class ResumeState:
 
 def read_resume_state(path: Path) -> ResumeState:
     raw = json.loads((path / "trainer_state.json").read_text())
-    trainer = TrainerState(step=int(raw["step"]), model_version=int(raw["model_version"]),
-                           num_tokens=int(raw.get("num_tokens", 0)))
+    trainer = TrainerState(
+        step=int(raw["step"]),
+        model_version=int(raw["model_version"]),
+        num_tokens=int(raw.get("num_tokens", 0)),
+    )
     rollout_file = path / "rollout_state.json"
     rollout = json.loads(rollout_file.read_text()) if rollout_file.is_file() else {}
     return ResumeState(path=path, trainer=trainer, rollout=rollout)
 
 
-def load_training_state(path: Path, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
-                        info: DistInfo | None = None) -> None:
+def load_training_state(
+    path: Path, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, info: DistInfo | None = None
+) -> None:
     """Restore model, optimizer (resharded to this world size), scheduler and this rank's RNG."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict

@@ -47,8 +47,11 @@ class DistInfo:
 
 def env_world() -> DistInfo:
     """Rank layout from the launcher's environment (torchrun, accelerate launch), before any process group."""
-    return DistInfo(rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)),
-                    local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+    return DistInfo(
+        rank=int(os.environ.get("RANK", 0)),
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+    )
 
 
 def init_distributed(device: torch.device, timeout_s: float) -> DistInfo:
@@ -58,8 +61,11 @@ def init_distributed(device: torch.device, timeout_s: float) -> DistInfo:
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(_backend(device), timeout=timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            _backend(device),
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
     return info
 
 
@@ -73,8 +79,13 @@ def _single_process_group(device: torch.device) -> None:
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(_backend(device), store=dist.HashStore(), rank=0, world_size=1,
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        _backend(device),
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        device_id=device if device.type == "cuda" else None,
+    )
 
 
 def destroy_distributed() -> None:
@@ -107,8 +118,14 @@ def compile_decoder_layers(model: Any) -> None:
         layer.forward = torch.compile(layer.forward)
 
 
-def shard_model(model: Any, info: DistInfo, device: torch.device, mixed_precision: str | None,
-                cpu_offload: bool, reshard_after_forward: bool = True) -> Any:
+def shard_model(
+    model: Any,
+    info: DistInfo,
+    device: torch.device,
+    mixed_precision: str | None,
+    cpu_offload: bool,
+    reshard_after_forward: bool = True,
+) -> Any:
     """``fully_shard`` every decoder layer, then the root (embeddings, final norm, head).
 
     Mixed precision (``trainer.mixed_precision``): fp32 master weights, parameters cast to bf16 for forward and
@@ -119,15 +136,21 @@ def shard_model(model: Any, info: DistInfo, device: torch.device, mixed_precisio
     if not (info.enabled or mixed_precision or cpu_offload):
         return model
     if mixed_precision not in (None, "bfloat16"):
-        raise UserError(f"trainer.mixed_precision={mixed_precision!r} is not supported: use bfloat16 (fp32 master "
-                        "weights, bf16 compute) or null (compute in model.dtype); float16 would need loss scaling.")
+        raise UserError(
+            f"trainer.mixed_precision={mixed_precision!r} is not supported: use bfloat16 (fp32 master "
+            "weights, bf16 compute) or null (compute in model.dtype); float16 would need loss scaling."
+        )
     if mixed_precision and next(model.parameters()).dtype != torch.float32:
-        raise UserError(f"trainer.mixed_precision={mixed_precision} keeps fp32 master weights, but the model was "
-                        f"loaded as {next(model.parameters()).dtype}: set model.dtype=float32 (or "
-                        "trainer.mixed_precision=null to train in model.dtype).")
+        raise UserError(
+            f"trainer.mixed_precision={mixed_precision} keeps fp32 master weights, but the model was "
+            f"loaded as {next(model.parameters()).dtype}: set model.dtype=float32 (or "
+            "trainer.mixed_precision=null to train in model.dtype)."
+        )
     if cpu_offload and device.type != "cuda":
-        raise UserError(f"trainer.cpu_offload=true moves FSDP2 shards off a GPU, but the trainer runs on {device}: "
-                        "set trainer.cpu_offload=false (or train on a GPU with trainer.device=cuda).")
+        raise UserError(
+            f"trainer.cpu_offload=true moves FSDP2 shards off a GPU, but the trainer runs on {device}: "
+            "set trainer.cpu_offload=false (or train on a GPU with trainer.device=cuda)."
+        )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -136,8 +159,9 @@ def shard_model(model: Any, info: DistInfo, device: torch.device, mixed_precisio
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mixed_precision:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, mixed_precision),
-                                                   reduce_dtype=torch.float32)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=getattr(torch, mixed_precision), reduce_dtype=torch.float32
+        )
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in decoder_layers(model):

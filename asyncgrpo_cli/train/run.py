@@ -29,7 +29,9 @@ def pick_device(name: str) -> Any:
 
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise UserError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto.")
+            raise UserError(
+                "trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto."
+            )
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 
@@ -107,22 +109,39 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
         if resume:
             load_training_state(resume.path, model, optimizer, scheduler, info)
             if info.is_main:
-                logger.info("resumed from %s at step %d (prompt %d)", resume.path, state.step, tracker.low_water)
+                logger.info(
+                    "resumed from %s at step %d (prompt %d)", resume.path, state.step, tracker.low_water
+                )
 
         sync_cls = registry.resolve("weight_sync", cfg.server.weight_sync)
         sync_dir = broadcast_object(str(cfg.server.weight_sync_dir or run_dir / "weights"), info)
         control = main.server.control if main else None
-        build = getattr(sync_cls, "from_run", None)  # a backend with settings reads them from the run's config
-        weight_sync = (build(cfg, control, Path(sync_dir), info) if build is not None
-                       else sync_cls(control, Path(sync_dir), info))
+        build = getattr(
+            sync_cls, "from_run", None
+        )  # a backend with settings reads them from the run's config
+        weight_sync = (
+            build(cfg, control, Path(sync_dir), info)
+            if build is not None
+            else sync_cls(control, Path(sync_dir), info)
+        )
         stack.callback(weight_sync.close)
         weight_sync.push(model, state.model_version)  # before generation starts
 
         loss_fn = registry.resolve("loss", cfg.loss.name)(cfg.loss)
         packer = registry.resolve("packer", cfg.packing.kind)(cfg.packing)
-        parts = TrainParts(model=model, tokenizer=tokenizer, device=device, optimizer=optimizer,
-                           scheduler=scheduler, loss_fn=loss_fn, packer=packer, weight_sync=weight_sync,
-                           state=state, tracker=tracker, info=info)
+        parts = TrainParts(
+            model=model,
+            tokenizer=tokenizer,
+            device=device,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            loss_fn=loss_fn,
+            packer=packer,
+            weight_sync=weight_sync,
+            state=state,
+            tracker=tracker,
+            info=info,
+        )
         window = MetricWindow()
         if info.is_main:
             _start_rollout(cfg, run_dir, main, parts, window, stack)
@@ -132,7 +151,9 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
 class _MainSide:
     """Rank 0's resources: the server backend and the prompt dataset."""
 
-    def __init__(self, server: Any, info: Any, dataset: Any, token_budget: int, served: str, sampling_mask: bool):
+    def __init__(
+        self, server: Any, info: Any, dataset: Any, token_budget: int, served: str, sampling_mask: bool
+    ):
         self.server, self.info, self.dataset = server, info, dataset
         self.token_budget, self.served = token_budget, served
         self.sampling_mask = sampling_mask
@@ -149,21 +170,29 @@ def _start_main_side(cfg: RootConfig, run_dir: Path, model_path: str, stack: Exi
     info = server.start()
     from asyncgrpo_cli.server.probe import probe_server
 
-    report = probe_server(server.control, cfg, model_path=model_path)  # every capability the run needs, or the fix
+    report = probe_server(
+        server.control, cfg, model_path=model_path
+    )  # every capability the run needs, or the fix
     served = cfg.model.served_model_name or info.model_id
     token_budget = cfg.packing.token_budget or info.max_model_len
     if not token_budget:
         raise UserError("the server does not report max_model_len in /v1/models: set packing.token_budget.")
-    logger.info("server %s serves %r (max_model_len=%s); token budget %d", server.base_url, served,
-                info.max_model_len, token_budget)
+    logger.info(
+        "server %s serves %r (max_model_len=%s); token budget %d",
+        server.base_url,
+        served,
+        info.max_model_len,
+        token_budget,
+    )
     from asyncgrpo_cli.server.mask_support import resolve_sampling_mask
 
     sampling_mask = resolve_sampling_mask(report, cfg)  # warns once when truncated sampling goes without
     return _MainSide(server, info, dataset, token_budget, served, sampling_mask)
 
 
-def _start_rollout(cfg: RootConfig, run_dir: Path, main: _MainSide, parts: Any, window: Any,
-                   stack: ExitStack) -> None:
+def _start_rollout(
+    cfg: RootConfig, run_dir: Path, main: _MainSide, parts: Any, window: Any, stack: ExitStack
+) -> None:
     """Rank 0: spawn the rollout process, the metrics sinks and the step planner."""
     from asyncgrpo_cli.metrics.logger import MetricsLogger
     from asyncgrpo_cli.packing import planner_for
@@ -175,24 +204,44 @@ def _start_rollout(cfg: RootConfig, run_dir: Path, main: _MainSide, parts: Any, 
     total_prompts = total_prompts_for(cfg, len(main.dataset))
     num_topk = cfg.sampling.num_sampler_logprobs if getattr(parts.loss_fn, "needs_sampler_topk", False) else 0
     settings = RolloutSettings(
-        sampling=cfg.sampling, rollout=cfg.rollout, base_url=main.server.base_url, served_model=main.served,
-        max_model_len=main.info.max_model_len or main.token_budget, server_timeout=cfg.server.timeout,
-        max_retries=cfg.server.max_retries, num_topk=num_topk, tokenizer_path=str(parts.tokenizer.name_or_path),
-        chat_template_kwargs=dict(cfg.model.chat_template_kwargs), total_prompts=total_prompts,
-        dataset_start_index=tracker.low_water, skip_prompt_seqs=sorted(tracker.resolved_above),
-        data_seed=tr.seed, shuffle=cfg.data.shuffle, seed_offset=state.step, sampling_mask=main.sampling_mask,
+        sampling=cfg.sampling,
+        rollout=cfg.rollout,
+        base_url=main.server.base_url,
+        served_model=main.served,
+        max_model_len=main.info.max_model_len or main.token_budget,
+        server_timeout=cfg.server.timeout,
+        max_retries=cfg.server.max_retries,
+        num_topk=num_topk,
+        tokenizer_path=str(parts.tokenizer.name_or_path),
+        chat_template_kwargs=dict(cfg.model.chat_template_kwargs),
+        total_prompts=total_prompts,
+        dataset_start_index=tracker.low_water,
+        skip_prompt_seqs=sorted(tracker.resolved_above),
+        data_seed=tr.seed,
+        shuffle=cfg.data.shuffle,
+        seed_offset=state.step,
+        sampling_mask=main.sampling_mask,
         versioned_model=getattr(parts.weight_sync, "served_name_template", None),  # lora: policy-v{version}
     )
-    rollout = RolloutProcess(RolloutSpec(cfg.rollout.loop, settings, main.dataset, list(cfg.rewards.funcs)),
-                             worker_timeout=cfg.rollout.rollout_worker_timeout, start_timeout=cfg.rollout.start_timeout)
+    rollout = RolloutProcess(
+        RolloutSpec(cfg.rollout.loop, settings, main.dataset, list(cfg.rewards.funcs)),
+        worker_timeout=cfg.rollout.rollout_worker_timeout,
+        start_timeout=cfg.rollout.start_timeout,
+    )
     rollout.set_model_version(state.model_version)
     stack.callback(rollout.stop)
     rollout.start()
-    metrics_logger = MetricsLogger(cfg.logging, run_dir, asdict(cfg),
-                                   total_steps=tr.max_steps if tr.max_steps > 0 else None, total_prompts=total_prompts)
+    metrics_logger = MetricsLogger(
+        cfg.logging,
+        run_dir,
+        asdict(cfg),
+        total_steps=tr.max_steps if tr.max_steps > 0 else None,
+        total_prompts=total_prompts,
+    )
     stack.callback(metrics_logger.close)
     planner = planner_for(parts.packer)(main.token_budget, num_ranks=parts.info.world_size)
-    parts.collector = StepCollector(rollout, planner, tracker, cfg.rollout.max_staleness,
-                                    tr.gradient_accumulation_steps, window)
+    parts.collector = StepCollector(
+        rollout, planner, tracker, cfg.rollout.max_staleness, tr.gradient_accumulation_steps, window
+    )
     parts.rollout, parts.metrics_logger = rollout, metrics_logger
     parts.token_budget, parts.total_prompts = main.token_budget, total_prompts

@@ -28,13 +28,23 @@ class StepResult:
     fwd_bwd_s: float = 0.0
 
 
-def forward_backward(model: Any, rows: list[list[TrainingSequence]], num_trained: int, packer: Any, loss_fn: Any,
-                     device: torch.device, temperature: float, world_size: int = 1) -> StepResult:
+def forward_backward(
+    model: Any,
+    rows: list[list[TrainingSequence]],
+    num_trained: int,
+    packer: Any,
+    loss_fn: Any,
+    device: torch.device,
+    temperature: float,
+    world_size: int = 1,
+) -> StepResult:
     """Run every micro-batch row of this rank; gradients accumulate in the parameters."""
     with_topk = bool(getattr(loss_fn, "needs_sampler_topk", False))
     out = StepResult()
     model.train()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # read once: the next row packs during backward
+    loss_sum = torch.zeros(
+        (), dtype=torch.float64, device=device
+    )  # read once: the next row packs during backward
     for samples in rows:
         row = packer.pack(samples).to(device)
         t0 = time.monotonic()
@@ -75,8 +85,10 @@ def _through_root(model: Any, row: Any, temperature: float, with_topk: bool) -> 
         restore()
         stats = token_logprobs(model, row, temperature, with_topk, support_ids=row.support_ids)
         # FSDP2 hooks the root's outputs for backward; a view output would lose that hook on in-place use.
-        return tuple(t.clone() if t is not None and t._is_view() else t
-                     for t in (stats.logprobs, stats.entropy, stats.topk_logprobs))
+        return tuple(
+            t.clone() if t is not None and t._is_view() else t
+            for t in (stats.logprobs, stats.entropy, stats.topk_logprobs)
+        )
 
     model.forward = redirected
     try:
@@ -88,7 +100,9 @@ def _through_root(model: Any, row: Any, temperature: float, with_topk: bool) -> 
     return TokenStats(logprobs=logprobs, entropy=entropy, topk_logprobs=topk)
 
 
-def clip_and_step(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, max_grad_norm: float) -> float:
+def clip_and_step(
+    model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, max_grad_norm: float
+) -> float:
     """Clip (FSDP2-aware: DTensor norms reduce over ranks), step, zero; returns the pre-clip gradient norm."""
     params = [q for q in model.parameters() if q.requires_grad]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))

@@ -28,8 +28,17 @@ def record_microbatches(w: MetricWindow, step: StepBatch) -> None:
         w.add("batch/row_imbalance", mb.row_imbalance)
 
 
-def record_step(w: MetricWindow, step: StepBatch, raw: dict[str, Any], loss: float, grad_norm: float, lr: float,
-                forwarded: int, unpacked: int, times: StepTimes) -> None:
+def record_step(
+    w: MetricWindow,
+    step: StepBatch,
+    raw: dict[str, Any],
+    loss: float,
+    grad_norm: float,
+    lr: float,
+    forwarded: int,
+    unpacked: int,
+    times: StepTimes,
+) -> None:
     trained = step.num_trained
     rates, extremes = metric_records(raw)
     for name, (num, den) in rates.items():

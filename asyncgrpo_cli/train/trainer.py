@@ -72,7 +72,9 @@ class Trainer:
         cfg, p = self.cfg, self.p
         if self.info.is_main:
             rows_per_step = cfg.trainer.gradient_accumulation_steps * self.info.world_size
-            p.rollout.set_allowance(initial_allowance(cfg.rollout.max_staleness, p.token_budget, rows_per_step))
+            p.rollout.set_allowance(
+                initial_allowance(cfg.rollout.max_staleness, p.token_budget, rows_per_step)
+            )
             p.metrics_logger.update_progress(p.state.step, p.tracker.consumed_count)
             p.rollout.on_idle = self.resync_weights_if_needed  # also while waiting for samples
         while True:
@@ -104,14 +106,24 @@ class Trainer:
         world = self.info.world_size
         if step is None:
             return [RankStep(done=True) for _ in range(world)]
-        return [RankStep(done=False, rows=[mb.rows[r] for mb in step.microbatches], num_trained=step.num_trained)
-                for r in range(world)]
+        return [
+            RankStep(done=False, rows=[mb.rows[r] for mb in step.microbatches], num_trained=step.num_trained)
+            for r in range(world)
+        ]
 
     # ------------------------------------------------------------------ one step
     def _train_step(self, mine: RankStep, step: StepBatch | None, t_step: float) -> None:
         p = self.p
-        res = forward_backward(p.model, mine.rows, mine.num_trained, p.packer, p.loss_fn, p.device,
-                               self.temperature, self.info.world_size)
+        res = forward_backward(
+            p.model,
+            mine.rows,
+            mine.num_trained,
+            p.packer,
+            p.loss_fn,
+            p.device,
+            self.temperature,
+            self.info.world_size,
+        )
         raw = reduce_raw_metrics(merge_metric_parts(res.raw_parts), self.info)
         totals = self._sum_over_ranks([res.loss, res.forwarded, res.unpacked])
         t_opt = time.monotonic()
@@ -129,10 +141,20 @@ class Trainer:
             self._sync_weights_or_defer()
         if not self.info.is_main:
             return
-        times = StepTimes(step_s=time.monotonic() - t_step, fwd_s=res.fwd_s, fwd_bwd_s=res.fwd_bwd_s,
-                          optimizer_s=t_opt)
-        record_step(self.window, step, raw, float(totals[0]), grad_norm, p.scheduler.get_last_lr()[0], forwarded,
-                    unpacked, times)
+        times = StepTimes(
+            step_s=time.monotonic() - t_step, fwd_s=res.fwd_s, fwd_bwd_s=res.fwd_bwd_s, optimizer_s=t_opt
+        )
+        record_step(
+            self.window,
+            step,
+            raw,
+            float(totals[0]),
+            grad_norm,
+            p.scheduler.get_last_lr()[0],
+            forwarded,
+            unpacked,
+            times,
+        )
         self._record_gauges()
         if self.cfg.logging.log_completions:
             self._log_completions(step)
@@ -233,9 +255,14 @@ class Trainer:
         for s in step.samples[: self.cfg.logging.num_completions_to_print or len(step.samples)]:
             idx = np.nonzero(s.train_mask)[0]
             first = int(idx[0]) if idx.size else len(s)
-            shown.append({"prompt": tok.decode(s.input_ids[:first].tolist(), skip_special_tokens=True),
-                          "completion": tok.decode(s.input_ids[first:].tolist(), skip_special_tokens=True),
-                          "reward": s.reward, "advantage": s.advantage})
+            shown.append(
+                {
+                    "prompt": tok.decode(s.input_ids[:first].tolist(), skip_special_tokens=True),
+                    "completion": tok.decode(s.input_ids[first:].tolist(), skip_special_tokens=True),
+                    "reward": s.reward,
+                    "advantage": s.advantage,
+                }
+            )
         self.p.metrics_logger.log_completions(shown, step=self.p.state.step)
 
     def _flush_logs(self, force: bool = False) -> None:
@@ -254,9 +281,18 @@ class Trainer:
     def save(self) -> Path:
         p = self.p
         rollout_state = p.tracker.state() if self.info.is_main else {}
-        path = save_checkpoint(self.run_dir, p.model, p.tokenizer, p.optimizer, p.scheduler, p.state,
-                               rollout_state, self.cfg.trainer.save_total_limit, self.info,
-                               save_hf_model=self.cfg.trainer.save_hf_model)
+        path = save_checkpoint(
+            self.run_dir,
+            p.model,
+            p.tokenizer,
+            p.optimizer,
+            p.scheduler,
+            p.state,
+            rollout_state,
+            self.cfg.trainer.save_total_limit,
+            self.info,
+            save_hf_model=self.cfg.trainer.save_hf_model,
+        )
         self._last_save_step = p.state.step
         if self.info.is_main:
             logger.info("saved checkpoint %s", path)

@@ -49,7 +49,9 @@ def step_rows(vocab: int, num_steps: int, num_rows: int) -> list[tuple[list, int
     rng = np.random.default_rng(0)
     steps = []
     for _ in range(num_steps):
-        samples = synthetic_groups(rng, num_rows, 3, prompt_len=12, completion_len=20, vocab=vocab, num_topk=4)
+        samples = synthetic_groups(
+            rng, num_rows, 3, prompt_len=12, completion_len=20, vocab=vocab, num_topk=4
+        )
         base = -float(np.log(vocab))  # a random model is near uniform: ratios near 1
         for s in samples:
             s.sampler_logprobs[s.train_mask] = base + rng.normal(0, 0.2, s.num_trained)
@@ -57,7 +59,7 @@ def step_rows(vocab: int, num_steps: int, num_rows: int) -> list[tuple[list, int
         blank = samples[-1]  # a sample without trained tokens rides along
         blank.train_mask[:] = False
         blank.topk_ids = blank.topk_logprobs = None
-        rows = [samples[3 * r: 3 * r + 3] for r in range(num_rows)]
+        rows = [samples[3 * r : 3 * r + 3] for r in range(num_rows)]
         steps.append((rows, sum(s.num_trained for s in samples)))
     return steps
 
@@ -93,7 +95,9 @@ def main() -> None:
     parser.add_argument("--cpu-offload", action="store_true")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rows", type=int, default=2, help="rows per step; a multiple of the world size")
-    parser.add_argument("--save", default=None, help="run dir to write checkpoints/step-N into after the last step")
+    parser.add_argument(
+        "--save", default=None, help="run dir to write checkpoints/step-N into after the last step"
+    )
     parser.add_argument("--resume", default=None, help="checkpoint dir to start from")
     parser.add_argument("--check-gather", action="store_true")
     args = parser.parse_args()
@@ -102,12 +106,19 @@ def main() -> None:
     if device.type == "cuda":
         torch.use_deterministic_algorithms(True, warn_only=True)
     info = init_distributed(device, timeout_s=120)
-    model = load_policy(args.model, ModelConfig(name_or_path=args.model, gradient_checkpointing=True,
-                                                attn_implementation=args.attn), device)
-    model = shard_model(model, info, device, mixed_precision=args.mixed_precision, cpu_offload=args.cpu_offload)
+    model = load_policy(
+        args.model,
+        ModelConfig(name_or_path=args.model, gradient_checkpointing=True, attn_implementation=args.attn),
+        device,
+    )
+    model = shard_model(
+        model, info, device, mixed_precision=args.mixed_precision, cpu_offload=args.cpu_offload
+    )
     tcfg = TrainerConfig(learning_rate=1e-2, max_grad_norm=1.0)
-    optimizer, loss_fn = build_optimizer(model, tcfg), {"score_centering": ScoreCenteringLoss,
-                                                         "clipped": ClippedLoss}[args.loss](LossConfig())
+    optimizer, loss_fn = (
+        build_optimizer(model, tcfg),
+        {"score_centering": ScoreCenteringLoss, "clipped": ClippedLoss}[args.loss](LossConfig()),
+    )
     scheduler = build_scheduler(optimizer, tcfg)
     state = TrainerState()
     if args.resume:
@@ -115,8 +126,10 @@ def main() -> None:
         load_training_state(Path(args.resume), model, optimizer, scheduler, info)
     packer = SequencePacker(PackingConfig(kind="sequence"))
     losses, params_by_step = [], {}
-    for rows, num_trained in step_rows(model.config.vocab_size, state.step + args.steps, args.rows)[state.step:]:
-        mine = rows[info.rank:: info.world_size]
+    for rows, num_trained in step_rows(model.config.vocab_size, state.step + args.steps, args.rows)[
+        state.step :
+    ]:
+        mine = rows[info.rank :: info.world_size]
         res = forward_backward(model, mine, num_trained, packer, loss_fn, device, 1.0, info.world_size)
         total = torch.tensor([res.loss], dtype=torch.float64, device=device)
         if info.enabled:
@@ -125,13 +138,19 @@ def main() -> None:
         clip_and_step(model, optimizer, scheduler, tcfg.max_grad_norm)
         state.step += 1
         params_by_step[state.step] = {k: t.clone() for k, t in iter_full_state(model, info)}  # CPU: no alias
-    out = {"losses": losses, "params": params_by_step[state.step], "params_by_step": params_by_step,
-           "world_size": info.world_size, "shard_devices": sorted({_local(p).device.type for p in model.parameters()})}
+    out = {
+        "losses": losses,
+        "params": params_by_step[state.step],
+        "params_by_step": params_by_step,
+        "world_size": info.world_size,
+        "shard_devices": sorted({_local(p).device.type for p in model.parameters()}),
+    }
     if args.check_gather:
         out["gather"] = check_gather(model, info)
     if args.save:
-        save_checkpoint(Path(args.save), model, None, optimizer, scheduler, state, {}, None, info,
-                        save_hf_model=False)
+        save_checkpoint(
+            Path(args.save), model, None, optimizer, scheduler, state, {}, None, info, save_hf_model=False
+        )
     if info.is_main:
         torch.save(out, args.out)
     destroy_distributed()

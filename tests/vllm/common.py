@@ -56,4 +56,3 @@ def launched(vllm_python: str, model_dir: Path, run_dir: Path, **settings: Any) 
         yield be
     finally:
         be.stop()
-

@@ -33,7 +33,6 @@ from tests.vllm.common import MAX_MODEL_LEN, NAME, PROMPT
 pytestmark = pytest.mark.vllm
 
 
-
 def tiny_cfg(*overrides: str):
     return compose_config(
         [

@@ -22,7 +22,6 @@ from tests.vllm.common import NAME, PROMPT, launched
 pytestmark = pytest.mark.vllm
 
 
-
 @pytest.fixture(scope="module")
 def backend(vllm_python, tiny_model_dir, tmp_path_factory):
     with launched(

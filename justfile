@@ -28,7 +28,7 @@ test-vllm *ARGS: setup setup-vllm
 test-fast *ARGS: setup
     {{py}} -m pytest -m "not slow" {{ARGS}}
 
-# the offline quickstart: SmolLM2-135M-Instruct on arithmetic word problems (~15 min on 2 cores)
+# the offline quickstart: SmolLM2-135M-Instruct on arithmetic word problems (~11 min on 2 cores)
 quickstart *ARGS: setup
     {{venv}}/bin/asyncgrpo train {{ARGS}}
 

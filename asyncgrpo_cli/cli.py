@@ -247,7 +247,7 @@ def _serve(args: list[str]) -> None:
     if emb.port == 0:
         emb.port = 8000
     model_dir = resolve_model_path(cfg.model.name_or_path)
-    from asyncgrpo_cli.server.app import run_server
+    from asyncgrpo_cli.embedded.app import run_server
 
     print(f"asyncgrpo: serving {model_dir} on http://{emb.host}:{emb.port} (Ctrl-C stops)", flush=True)
     run_server(model_dir, emb, served_model_name=cfg.model.served_model_name)

@@ -229,8 +229,8 @@ def test_pages_that_are_not_vllm_metrics_are_rejected():
 
 def test_the_embedded_servers_metrics_page_parses():
     from asyncgrpo_cli.config.schema import EmbeddedServerConfig
-    from asyncgrpo_cli.server.engine import EngineStats
-    from asyncgrpo_cli.server.metrics import render_metrics
+    from asyncgrpo_cli.embedded.engine import EngineStats
+    from asyncgrpo_cli.embedded.metrics import render_metrics
 
     stats = EngineStats(
         running=3,

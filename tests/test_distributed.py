@@ -54,6 +54,7 @@ def test_two_ranks_match_one_process(tiny_model_dir, tmp_path, loss):
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # the ranks' threading: the same kernels, the same sums
     )
     assert one.returncode == 0, one.stderr[-2000:]
     two = torchrun(script, "--model", str(tiny_model_dir), "--out", str(tmp_path / "2.pt"), "--loss", loss)

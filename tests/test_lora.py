@@ -16,7 +16,8 @@ from asyncgrpo_cli.config.compose import compose_config
 from asyncgrpo_cli.config.schema import LoraConfig, VllmLaunchConfig
 from asyncgrpo_cli.errors import ConfigError, UserError
 from asyncgrpo_cli.rollout.served_name import request_model, retired_fallback, start_group
-from asyncgrpo_cli.server.probe import ServerReport, find_problems, fix_command
+from asyncgrpo_cli.server.probe import find_problems, fix_command
+from asyncgrpo_cli.server.report import ServerReport
 from asyncgrpo_cli.server.vllm_launch import serve_flags, server_env
 from asyncgrpo_cli.sync.lora_policy import (
     AdapterSpec,
@@ -307,8 +308,8 @@ def write_version(model, path):
 
 
 def test_one_forward_serves_base_and_several_adapters(tiny_model_dir, tmp_path):
-    from asyncgrpo_cli.server.lora import AdapterSet, lora_batch
-    from asyncgrpo_cli.server.model import load_model
+    from asyncgrpo_cli.embedded.lora import AdapterSet, lora_batch
+    from asyncgrpo_cli.embedded.model import load_model
 
     a, b = lora_model(tiny_model_dir, seed=1), lora_model(tiny_model_dir, seed=2)
     base = load_model(tiny_model_dir)
@@ -327,10 +328,10 @@ def test_one_forward_serves_base_and_several_adapters(tiny_model_dir, tmp_path):
 
 
 def test_engine_serves_each_request_with_its_adapter(tiny_model_dir, tmp_path):
-    from asyncgrpo_cli.server.engine import GenerationEngine, GenerationRequest
-    from asyncgrpo_cli.server.lora import AdapterSet
-    from asyncgrpo_cli.server.model import load_model
-    from asyncgrpo_cli.server.sampling import SamplingParams
+    from asyncgrpo_cli.embedded.engine import GenerationEngine, GenerationRequest
+    from asyncgrpo_cli.embedded.lora import AdapterSet
+    from asyncgrpo_cli.embedded.model import load_model
+    from asyncgrpo_cli.embedded.sampling import SamplingParams
 
     trained = lora_model(tiny_model_dir, seed=3)
     base = load_model(tiny_model_dir)

@@ -26,12 +26,9 @@ import pytest
 import torch
 
 from asyncgrpo_cli.config.schema import EmbeddedServerConfig, NcclSyncConfig, ServerConfig
-from asyncgrpo_cli.rollout.resync import server_unreachable
-from asyncgrpo_cli.server.control import ServerControl
-from asyncgrpo_cli.server.weight_transfer import WeightReceiver
-from asyncgrpo_cli.sync.nccl import NcclSyncError, NcclWeightSync
-from asyncgrpo_cli.sync.nccl_comm import decode_unique_id, encode_unique_id
-from asyncgrpo_cli.sync.nccl_wire import (
+from asyncgrpo_cli.embedded.weight_transfer import WeightReceiver
+from asyncgrpo_cli.nccl.binding import decode_unique_id, encode_unique_id
+from asyncgrpo_cli.nccl.wire import (
     TensorMeta,
     WireParams,
     parse_update_info,
@@ -40,6 +37,9 @@ from asyncgrpo_cli.sync.nccl_wire import (
     send_tensors,
     update_info,
 )
+from asyncgrpo_cli.rollout.resync import server_unreachable
+from asyncgrpo_cli.server.control import ServerControl
+from asyncgrpo_cli.sync.nccl import NcclSyncError, NcclWeightSync
 from tests.helpers.fake_nccl import FakeTransferServer, HangingTransport, LoopbackTransport
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -209,7 +209,7 @@ def test_sender_casts_to_the_declared_dtype_and_refuses_a_disagreeing_model():
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
     """The embedded server in this process, its real routes over HTTP, receiving over the in-memory transport."""
-    from asyncgrpo_cli.server.app import bind, build_app
+    from asyncgrpo_cli.embedded.app import bind, build_app
 
     cfg = EmbeddedServerConfig(max_model_len=256, max_num_seqs=4, kv_cache_tokens=1024, num_threads=1)
     app = build_app(str(tiny_model_dir), cfg, served_model_name="tiny")
@@ -456,7 +456,8 @@ def test_config_names_the_keys_nccl_needs():
 
 def test_probe_asks_for_a_gpu_embedded_server():
     from asyncgrpo_cli.config.compose import compose_config
-    from asyncgrpo_cli.server.probe import ServerReport, find_problems
+    from asyncgrpo_cli.server.probe import find_problems
+    from asyncgrpo_cli.server.report import ServerReport
 
     cfg = compose_config(
         ["+recipe=tiny", "server.weight_sync=nccl", "server.embedded.device=cuda:1", "trainer.device=cuda"]

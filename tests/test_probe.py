@@ -19,7 +19,8 @@ from asyncgrpo_cli.config.compose import compose_config
 from asyncgrpo_cli.errors import UserError
 from asyncgrpo_cli.server.control import ServerControl
 from asyncgrpo_cli.server.launch import EmbeddedServerProcess
-from asyncgrpo_cli.server.probe import ServerReport, find_problems, fix_command, probe_server, read_server
+from asyncgrpo_cli.server.probe import find_problems, fix_command, probe_server
+from asyncgrpo_cli.server.report import ServerReport, read_server
 from asyncgrpo_cli.sync.disk import DiskWeightSync
 from asyncgrpo_cli.sync.verify import WeightSyncMismatchError, default_tolerance, verify_weight_sync
 from asyncgrpo_cli.vllm_ext import EXTENSION_CLS

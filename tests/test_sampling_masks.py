@@ -16,6 +16,10 @@ import torch
 
 from asyncgrpo_cli.config.compose import compose_config
 from asyncgrpo_cli.config.schema import PackingConfig
+from asyncgrpo_cli.embedded.api import ApiError, ModelContext
+from asyncgrpo_cli.embedded.engine import Completion
+from asyncgrpo_cli.embedded.generate import build_generate_response, parse_generate_request
+from asyncgrpo_cli.embedded.sampling import BatchParams, SamplingParams, processed_logprobs, sample
 from asyncgrpo_cli.errors import ConfigError
 from asyncgrpo_cli.packing.sequence import SequencePacker
 from asyncgrpo_cli.packing.tree import TreePacker
@@ -30,12 +34,9 @@ from asyncgrpo_cli.rollout.client import (
 )
 from asyncgrpo_cli.rollout.sequences import rollout_to_sequences
 from asyncgrpo_cli.rollout.types import Rollout, TrainingSequence, TurnRecord
-from asyncgrpo_cli.server.engine import Completion
-from asyncgrpo_cli.server.generate import build_generate_response, parse_generate_request
 from asyncgrpo_cli.server.mask_support import resolve_sampling_mask
-from asyncgrpo_cli.server.probe import ServerReport, find_problems, fix_command
-from asyncgrpo_cli.server.protocol import ApiError, ModelContext
-from asyncgrpo_cli.server.sampling import BatchParams, SamplingParams, processed_logprobs, sample
+from asyncgrpo_cli.server.probe import find_problems, fix_command
+from asyncgrpo_cli.server.report import ServerReport
 from asyncgrpo_cli.train.losses import ScoreCenteringLoss, finalize_metrics
 from asyncgrpo_cli.train.step import forward_backward
 

@@ -49,8 +49,8 @@ def _model(shape: str):
 
 
 def _engine_tok_s(model, prompts: list[list[int]], new: int, num_logprobs: int) -> float:
-    from asyncgrpo_cli.server.engine import GenerationEngine, GenerationRequest
-    from asyncgrpo_cli.server.sampling import SamplingParams
+    from asyncgrpo_cli.embedded.engine import GenerationEngine, GenerationRequest
+    from asyncgrpo_cli.embedded.sampling import SamplingParams
 
     max_len = max(len(p) for p in prompts) + new + 1
     engine = GenerationEngine(

@@ -65,9 +65,9 @@ def _receiver(shape: str, gpu: int, conn: Any) -> None:
     import torch
 
     from asyncgrpo_cli.config.schema import EmbeddedServerConfig
-    from asyncgrpo_cli.server.app import EmbeddedApp, bind
-    from asyncgrpo_cli.server.engine import GenerationEngine
-    from asyncgrpo_cli.server.protocol import ModelContext
+    from asyncgrpo_cli.embedded.api import ModelContext
+    from asyncgrpo_cli.embedded.app import EmbeddedApp, bind
+    from asyncgrpo_cli.embedded.engine import GenerationEngine
 
     try:
         device = torch.device("cuda", gpu)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 
 from asyncgrpo_cli.config.schema import RootConfig
-from asyncgrpo_cli.server.probe import Problem, ServerReport
+from asyncgrpo_cli.server.report import Problem, ServerReport
 from asyncgrpo_cli.server.vllm_launch import SAMPLING_MASK_FLAGS
 
 log = logging.getLogger(__name__)

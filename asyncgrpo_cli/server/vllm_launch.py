@@ -25,13 +25,8 @@ import logging
 import os
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +36,7 @@ from asyncgrpo_cli.config.schema import RootConfig, ServerConfig, VllmLaunchConf
 from asyncgrpo_cli.errors import UserError
 from asyncgrpo_cli.paths import cache_dir
 from asyncgrpo_cli.server.backends import ServerBackend
+from asyncgrpo_cli.server.child import ServerChild, free_port, loopback_url
 from asyncgrpo_cli.server.control import ServerControl, ServerInfo
 from asyncgrpo_cli.vllm_ext import EXTENSION_CLS
 
@@ -227,32 +223,6 @@ def server_env(cfg: VllmLaunchConfig, ext_dir: Path, lora: bool = False) -> dict
     return env
 
 
-def free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` asking Linux to SIGTERM the server when the trainer dies (a SIGKILLed test, an OOM kill).
-    libc is resolved here, in the parent: the child only makes one system call before ``exec``."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-    return preexec
-
-
 def preview_command(cfg: RootConfig) -> str:
     """The command line ``train`` would run for ``server=vllm_launch`` (finds vLLM; starts and builds nothing)."""
     from asyncgrpo_cli.model.resolve import builtin_dir, builtin_name, is_builtin
@@ -276,14 +246,6 @@ def preview_command(cfg: RootConfig) -> str:
     return f"{env} {shlex.join(install.argv(model) + flags)}   # {build}"
 
 
-def _tail(path: Path, lines: int = 25) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join(text.rstrip().splitlines()[-lines:])
-
-
 class VllmLaunchBackend(ServerBackend):
     """Starts ``vllm serve`` on the model being trained; ``stop()`` ends its process group (idempotent)."""
 
@@ -293,18 +255,19 @@ class VllmLaunchBackend(ServerBackend):
         self.model_path = str(model_path)
         self.served_model_name = served_model_name
         self.log_path = Path(run_dir) / "vllm_server.log"
-        self.proc: subprocess.Popen | None = None
+        self.child = ServerChild("vLLM", self.log_path)
         self.install: VllmInstall | None = None
         self.port: int | None = None
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.child.proc
 
     @property
     def base_url(self) -> str:  # type: ignore[override]
         if self.port is None:
             raise RuntimeError("the vLLM server is not started")
-        host = self.launch.host
-        if host in ("0.0.0.0", "::", ""):
-            host = "127.0.0.1"
-        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
+        return loopback_url(self.launch.host, self.port)
 
     def command(self, port: int) -> list[str]:
         if self.install is None:
@@ -318,23 +281,13 @@ class VllmLaunchBackend(ServerBackend):
         )
 
     def start(self) -> ServerInfo:
-        if self.proc is not None:
+        if self.child.proc is not None:
             return self.info
         port = self.launch.port or free_port(self.launch.host)
         cmd = self.command(port)
         env = server_env(self.launch, extension_pythonpath(), lora=self.cfg.weight_sync == "lora")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting vLLM %s: %s (log: %s)", self.install.version, shlex.join(cmd), self.log_path)
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(
-                cmd,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-                preexec_fn=_die_with_parent(),
-            )
+        self.child.spawn(cmd, env)
         self.port = port
         try:
             self._wait_healthy()
@@ -347,68 +300,19 @@ class VllmLaunchBackend(ServerBackend):
 
     def _wait_healthy(self) -> None:
         """Poll ``/health`` until 200; fail early with the log tail if the server exits."""
-        assert self.proc is not None
-        deadline = time.monotonic() + self.cfg.startup_timeout
         with httpx.Client(timeout=httpx.Timeout(5.0, connect=2.0)) as client:
-            while True:
-                code = self.proc.poll()
-                if code is not None:
-                    raise UserError(
-                        f"vLLM exited with status {code} before it was ready (log: {self.log_path}):\n"
-                        f"{_tail(self.log_path)}"
-                    )
+
+            def healthy() -> bool | None:
                 try:
-                    if client.get(f"{self.base_url}/health").status_code == 200:
-                        return
+                    return True if client.get(f"{self.base_url}/health").status_code == 200 else None
                 except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise UserError(
-                        f"vLLM did not answer /health within server.startup_timeout={self.cfg.startup_timeout:g}s; "
-                        f"raise it or look at {self.log_path}:\n{_tail(self.log_path)}"
-                    )
-                time.sleep(1.0)
+                    return None
+
+            self.child.wait_until(healthy, self.cfg.startup_timeout, "server.startup_timeout", interval=1.0)
 
     def stop(self) -> None:
         """SIGTERM the server's process group, wait ``stop_timeout``, then SIGKILL what is left of it."""
         if getattr(self, "control", None) is not None:
             self.control.close()
-        proc, self.proc = self.proc, None
         self.port = None
-        if proc is None:
-            return
-        pgid = proc.pid  # start_new_session: the server leads its own group
-        _signal_group(pgid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=self.launch.stop_timeout)
-        except subprocess.TimeoutExpired:
-            log.warning(
-                "vLLM (pid %d) did not stop within %gs of SIGTERM: killing it", pgid, self.launch.stop_timeout
-            )
-        _wait_group_gone(pgid, timeout=5.0)
-        _signal_group(pgid, signal.SIGKILL)
-        try:
-            proc.wait(timeout=10.0)
-        except subprocess.TimeoutExpired:
-            log.error("vLLM (pid %d) survived SIGKILL", pgid)
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _wait_group_gone(pgid: int, timeout: float) -> bool:
-    """True once no process of group ``pgid`` is left (the engine processes exit after the API server)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        time.sleep(0.2)
-    return False
+        self.child.stop(self.launch.stop_timeout)

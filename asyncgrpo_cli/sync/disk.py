@@ -72,7 +72,7 @@ class DiskWeightSync:
         """The ``collective_rpc`` method that loads a version: the worker extension's when the server has it (asked
         once, from ``/server_info``), else vLLM's ``reload_weights``."""
         if self._reload_method is None:
-            from asyncgrpo_cli.server.probe import has_worker_extension
+            from asyncgrpo_cli.server.report import has_worker_extension
             from asyncgrpo_cli.vllm_ext import RELOAD_METHOD
 
             self._reload_method = RELOAD_METHOD if has_worker_extension(self.control) else "reload_weights"

@@ -200,7 +200,7 @@ class LoraWeightSync:
 
         outcome: tuple[str, Any] = ("ok", None)
         if self.info.is_main:
-            from asyncgrpo_cli.server.probe import server_config
+            from asyncgrpo_cli.server.report import server_config
 
             try:
                 server = ServerLora.from_vllm_config(server_config(self.control))

@@ -30,10 +30,10 @@ import torch
 
 from asyncgrpo_cli.config.schema import NcclSyncConfig, RootConfig
 from asyncgrpo_cli.errors import UserError
+from asyncgrpo_cli.nccl.binding import Communicator, NcclTransport, encode_unique_id
+from asyncgrpo_cli.nccl.wire import TensorMeta, WireParams, reset_streams, send_tensors, update_info
 from asyncgrpo_cli.rollout.resync import server_unreachable
 from asyncgrpo_cli.server.control import ServerControl
-from asyncgrpo_cli.sync.nccl_comm import Communicator, NcclTransport, encode_unique_id
-from asyncgrpo_cli.sync.nccl_wire import TensorMeta, WireParams, reset_streams, send_tensors, update_info
 from asyncgrpo_cli.sync.writer import tied_skip
 from asyncgrpo_cli.train.distributed import DistInfo, broadcast_object, iter_full_state
 
@@ -322,7 +322,7 @@ class NcclWeightSync:
 
     def _served_dtype(self) -> torch.dtype | None:
         """The server's dtype (``/server_info``): floating tensors are cast to it before they are sent."""
-        from asyncgrpo_cli.server.probe import server_config
+        from asyncgrpo_cli.server.report import server_config
         from asyncgrpo_cli.sync.verify import dtype_name
 
         name = dtype_name(server_config(self.control).get("model_config", {}).get("dtype"))

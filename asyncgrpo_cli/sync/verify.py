@@ -206,7 +206,7 @@ class SyncVerifier:
     def _setup(self) -> None:
         if self._client is not None or self.control is None:
             return
-        from asyncgrpo_cli.server.probe import server_config
+        from asyncgrpo_cli.server.report import server_config
 
         self._model_name = self.control.info().model_id
         dtype = server_config(self.control).get("model_config", {}).get("dtype")

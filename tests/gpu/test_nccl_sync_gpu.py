@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from asyncgrpo_cli.config.schema import EmbeddedServerConfig, NcclSyncConfig, ServerConfig
-from asyncgrpo_cli.sync.nccl_comm import NcclTransport, run_bounded
-from asyncgrpo_cli.sync.nccl_wire import TensorMeta, WireParams, receive_tensors, send_tensors
+from asyncgrpo_cli.nccl.binding import NcclTransport, run_bounded
+from asyncgrpo_cli.nccl.wire import TensorMeta, WireParams, receive_tensors, send_tensors
 
 pytestmark = [
     pytest.mark.gpu,
@@ -140,7 +140,7 @@ def log_tail(server) -> str:
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
 def test_after_a_sync_the_servers_logprobs_are_the_trainers(server, trainer, packed):
     from asyncgrpo_cli.server.control import ServerControl
-    from asyncgrpo_cli.server.probe import read_server
+    from asyncgrpo_cli.server.report import read_server
     from asyncgrpo_cli.sync.nccl import NcclWeightSync
     from asyncgrpo_cli.sync.verify import WeightSyncMismatchError, verify_weight_sync
 

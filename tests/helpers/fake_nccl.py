@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from asyncgrpo_cli.sync.nccl_comm import NcclError
+from asyncgrpo_cli.nccl.binding import NcclError
 from tests.helpers.fake_server import FakeVllmServer
 
 WAIT_S = 30.0

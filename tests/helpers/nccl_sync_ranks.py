@@ -21,8 +21,8 @@ from tests.helpers.fake_nccl import LoopbackTransport
 
 
 def start_server(model_dir: str, transport: LoopbackTransport):
-    from asyncgrpo_cli.server.app import bind, build_app
-    from asyncgrpo_cli.server.weight_transfer import WeightReceiver
+    from asyncgrpo_cli.embedded.app import bind, build_app
+    from asyncgrpo_cli.embedded.weight_transfer import WeightReceiver
 
     app = build_app(model_dir, EmbeddedServerConfig(max_model_len=256, max_num_seqs=4, kv_cache_tokens=1024))
     app.weight_transfer = WeightReceiver(app.engine, transport=transport, timeout=60)

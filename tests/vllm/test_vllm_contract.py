@@ -25,7 +25,8 @@ from asyncgrpo_cli.config.compose import compose_config
 from asyncgrpo_cli.errors import UserError
 from asyncgrpo_cli.rollout.client import CompletionClient, SamplingParams
 from asyncgrpo_cli.rollout.concurrency import parse_prometheus, read_vllm_load
-from asyncgrpo_cli.server.probe import probe_server, server_config
+from asyncgrpo_cli.server.probe import probe_server
+from asyncgrpo_cli.server.report import server_config
 from asyncgrpo_cli.sync.disk import DiskWeightSync
 from asyncgrpo_cli.sync.verify import WeightSyncMismatchError, verify_weight_sync
 from asyncgrpo_cli.vllm_ext import EXTENSION_CLS, RELOAD_METHOD

@@ -16,7 +16,8 @@ import torch
 from asyncgrpo_cli.config.compose import compose_config
 from asyncgrpo_cli.rollout.client import CompletionClient, SamplingParams
 from asyncgrpo_cli.server.mask_support import resolve_sampling_mask
-from asyncgrpo_cli.server.probe import find_problems, read_server
+from asyncgrpo_cli.server.probe import find_problems
+from asyncgrpo_cli.server.report import read_server
 from tests.vllm.common import NAME, PROMPT, launched
 
 pytestmark = pytest.mark.vllm

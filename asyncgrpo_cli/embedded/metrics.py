@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from asyncgrpo_cli.config.schema import EmbeddedServerConfig
-from asyncgrpo_cli.server.engine import EngineStats
+from asyncgrpo_cli.embedded.engine import EngineStats
 
 
 def _labels(pairs: dict[str, str]) -> str:

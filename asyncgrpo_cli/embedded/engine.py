@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from asyncgrpo_cli.server.kvcache import BatchKV, PrefixCache, RowKV, forward, prefill
-from asyncgrpo_cli.server.lora import LoadedAdapter, lora_batch
-from asyncgrpo_cli.server.model import load_weights_dir
-from asyncgrpo_cli.server.sampling import BatchParams, SampleOutput, SamplingParams, sample
+from asyncgrpo_cli.embedded.kvcache import BatchKV, PrefixCache, RowKV, forward, prefill
+from asyncgrpo_cli.embedded.lora import LoadedAdapter, lora_batch
+from asyncgrpo_cli.embedded.model import load_weights_dir
+from asyncgrpo_cli.embedded.sampling import BatchParams, SampleOutput, SamplingParams, sample
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     adapter: LoadedAdapter | None = None
-    """The LoRA adapter this request is served with (``server/lora.py``); None: the base model."""
+    """The LoRA adapter this request is served with (``embedded/lora.py``); None: the base model."""
 
 
 @dataclass

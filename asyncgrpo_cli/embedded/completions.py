@@ -11,11 +11,12 @@ import math
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from asyncgrpo_cli.server.engine import Completion, GenerationRequest
-from asyncgrpo_cli.server.sampling import SamplingParams
+from asyncgrpo_cli.embedded.api import ApiError, ModelContext
+from asyncgrpo_cli.embedded.engine import Completion, GenerationRequest
+from asyncgrpo_cli.embedded.sampling import SamplingParams
 
 LOGPROB_FLOOR = -9999.0
 """vLLM's completions serializer clamps log-probs (and -inf) to this value."""
@@ -43,46 +44,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "return_weight_versions": False,
     "truncate_prompt_tokens": None,
 }
-
-
-class ApiError(Exception):
-    """An error answered as vLLM does: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(
-        self, message: str, status: int = 400, err_type: str = "BadRequestError", param: str | None = None
-    ):
-        super().__init__(message)
-        self.message, self.status, self.err_type, self.param = message, status, err_type, param
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.err_type,
-                "param": self.param,
-                "code": self.status,
-            }
-        }
-
-
-@dataclass
-class ModelContext:
-    """What request handling needs to know about the served model."""
-
-    served_name: str
-    tokenizer: Any
-    vocab_size: int
-    max_model_len: int
-    max_logprobs: int = 20
-    defaults: dict[str, Any] = field(default_factory=dict)
-    """Sampling defaults from the model's generation_config.json (vLLM's ``--generation-config auto``)."""
-    _token_strings: dict[int, str] = field(default_factory=dict)
-
-    def token_string(self, token_id: int) -> str:
-        s = self._token_strings.get(token_id)
-        if s is None:
-            s = self._token_strings[token_id] = self.tokenizer.decode([token_id])
-        return s
 
 
 @dataclass

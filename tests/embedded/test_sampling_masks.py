@@ -18,15 +18,16 @@ import torch
 
 from asyncgrpo_cli.config.compose import compose_config
 from asyncgrpo_cli.config.schema import EmbeddedServerConfig
+from asyncgrpo_cli.embedded.sampling import BatchParams, processed_logprobs
+from asyncgrpo_cli.embedded.sampling import SamplingParams as FilterParams
 from asyncgrpo_cli.errors import UserError
 from asyncgrpo_cli.rollout.candidates import CandidateSets
 from asyncgrpo_cli.rollout.client import CompletionClient, SamplingParams
 from asyncgrpo_cli.server.control import ServerControl
 from asyncgrpo_cli.server.launch import EmbeddedServerProcess
 from asyncgrpo_cli.server.mask_support import resolve_sampling_mask
-from asyncgrpo_cli.server.probe import probe_server, read_server
-from asyncgrpo_cli.server.sampling import BatchParams, processed_logprobs
-from asyncgrpo_cli.server.sampling import SamplingParams as FilterParams
+from asyncgrpo_cli.server.probe import probe_server
+from asyncgrpo_cli.server.report import read_server
 from tests.test_e2e import read_metrics, train
 
 NAME = "tiny"

@@ -35,10 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asyncgrpo_cli.server.engine import Completion, GenerationRequest
-from asyncgrpo_cli.server.protocol import (
-    ApiError,
-    ModelContext,
+from asyncgrpo_cli.embedded.api import ApiError, ModelContext
+from asyncgrpo_cli.embedded.completions import (
     _check_length,
     _clamp,
     _flag,
@@ -46,6 +44,7 @@ from asyncgrpo_cli.server.protocol import (
     _sampling,
     counts_and_seed,
 )
+from asyncgrpo_cli.embedded.engine import Completion, GenerationRequest
 
 ROUTE = "/inference/v1/generate"
 REQUEST_ID_PREFIX = "generate-tokens-"

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from asyncgrpo_cli.server.sampling import (
+from asyncgrpo_cli.embedded.sampling import (
     BatchParams,
     SamplingParams,
     draw_uniforms,

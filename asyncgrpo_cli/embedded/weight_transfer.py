@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from asyncgrpo_cli.server.protocol import ApiError
-from asyncgrpo_cli.sync.nccl_comm import Communicator, NcclTransport, decode_unique_id
-from asyncgrpo_cli.sync.nccl_wire import (
+from asyncgrpo_cli.embedded.api import ApiError
+from asyncgrpo_cli.nccl.binding import Communicator, NcclTransport, decode_unique_id
+from asyncgrpo_cli.nccl.wire import (
     TensorMeta,
     WireParams,
     on_stream,

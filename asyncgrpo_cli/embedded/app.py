@@ -3,19 +3,16 @@
 Same routes, field names, shapes and metric names as vLLM (``VLLM_SERVER_DEV_MODE=1`` routes included), so the
 client has one code path. It exists so the quickstart runs on a laptop CPU and tests run in seconds; it is not a
 production engine. Standard library HTTP (``ThreadingHTTPServer``, HTTP/1.1 keep-alive), loopback by default.
-
-    python -m asyncgrpo_cli.server.app --model DIR [--port 0] [--ready-file PATH] ...
+Started as ``python -m asyncgrpo_cli.embedded --config FILE`` (``embedded/__main__.py``) or ``asyncgrpo serve``.
 """
 
 from __future__ import annotations
 
-import argparse
 import errno
 import json
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,21 +23,19 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from asyncgrpo_cli.config.schema import EmbeddedServerConfig
-from asyncgrpo_cli.errors import UserError
-from asyncgrpo_cli.server import lora, weight_transfer
-from asyncgrpo_cli.server.engine import GenerationEngine
-from asyncgrpo_cli.server.generate import build_generate_response, parse_generate_request
-from asyncgrpo_cli.server.metrics import render_metrics
-from asyncgrpo_cli.server.protocol import (
-    ApiError,
-    ModelContext,
+from asyncgrpo_cli.embedded import lora, weight_transfer
+from asyncgrpo_cli.embedded.api import ApiError, ModelContext
+from asyncgrpo_cli.embedded.completions import (
     build_completion_response,
     parse_completion_request,
 )
+from asyncgrpo_cli.embedded.engine import GenerationEngine
+from asyncgrpo_cli.embedded.generate import build_generate_response, parse_generate_request
+from asyncgrpo_cli.embedded.metrics import render_metrics
+from asyncgrpo_cli.errors import UserError
 
 log = logging.getLogger("asyncgrpo.server")
 
-PORT_IN_USE_EXIT = 3
 Payload = dict[str, Any] | str | None
 Route = Callable[["EmbeddedApp", dict[str, str], bytes], tuple[int, Payload]]
 
@@ -335,7 +330,7 @@ def build_app(model_dir: str, cfg: EmbeddedServerConfig, served_model_name: str 
     """Load the model and tokenizer and start the engine thread."""
     from transformers import AutoTokenizer
 
-    from asyncgrpo_cli.server.model import eos_token_ids, load_model, sampling_defaults
+    from asyncgrpo_cli.embedded.model import eos_token_ids, load_model, sampling_defaults
 
     if cfg.kv_cache_tokens < cfg.max_model_len:
         raise UserError(
@@ -468,70 +463,3 @@ def _install_signal_handlers(stop: threading.Event) -> dict[int, Any]:
 def _restore_signal_handlers(previous: dict[int, Any]) -> None:
     for sig, handler in previous.items():
         signal.signal(sig, handler)
-
-
-def _watch_parent(parent_pid: int, interval: float = 1.0) -> None:
-    """SIGTERM ourselves once the launching process is gone (we get re-parented), so no server is orphaned."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(interval)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    d = EmbeddedServerConfig()
-    p = argparse.ArgumentParser(prog="python -m asyncgrpo_cli.server.app", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="model directory (save_pretrained layout)")
-    p.add_argument("--served-model-name", default=None, help="name in /v1/models (default: the model path)")
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
-    p.add_argument("--ready-file", default=None, help="write {port, pid} here once serving")
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--kv-cache-tokens", type=int, default=d.kv_cache_tokens)
-    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--num-threads", type=int, default=d.num_threads)
-    p.add_argument("--prefix-cache-size", type=int, default=d.prefix_cache_size)
-    p.add_argument("--device", default=d.device, help="cpu or cuda:N")
-    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters loaded at runtime")
-    p.add_argument(
-        "--exit-with-parent",
-        action="store_true",
-        help="stop when the launching process exits (used by EmbeddedServerProcess)",
-    )
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = EmbeddedServerConfig(
-        host=args.host,
-        port=args.port,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        kv_cache_tokens=args.kv_cache_tokens,
-        dtype=args.dtype,
-        num_threads=args.num_threads,
-        prefix_cache_size=args.prefix_cache_size,
-        device=args.device,
-        enable_lora=args.enable_lora,
-    )
-    if args.exit_with_parent:
-        _watch_parent(os.getppid())
-    try:
-        run_server(args.model, cfg, served_model_name=args.served_model_name, ready_file=args.ready_file)
-    except PortInUseError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return PORT_IN_USE_EXIT
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from asyncgrpo_cli.sync.nccl_comm import NCCL_DTYPES, Communicator, NcclError
+from asyncgrpo_cli.nccl.binding import NCCL_DTYPES, Communicator, NcclError
 
 DEFAULT_BUFFER_SIZE_BYTES = 1 << 30  # vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES
 DEFAULT_NUM_BUFFERS = 2  # vLLM's DEFAULT_PACKED_NUM_BUFFERS

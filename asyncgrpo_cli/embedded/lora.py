@@ -33,12 +33,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:  # protocol imports the engine, which imports this module
-    from asyncgrpo_cli.server.protocol import ApiError, ModelContext
+from asyncgrpo_cli.embedded.api import ApiError, ModelContext
 
 log = logging.getLogger("asyncgrpo.server")
 
@@ -63,8 +62,6 @@ class LoadedAdapter:
 def _api_error(
     message: str, status: int = 400, err_type: str = "BadRequestError", param: str | None = None
 ) -> ApiError:
-    from asyncgrpo_cli.server.protocol import ApiError
-
     return ApiError(message, status, err_type, param)
 
 

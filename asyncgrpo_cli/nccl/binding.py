@@ -13,7 +13,7 @@ rendezvous on a daemon thread and gives up after ``timeout``; ``abort`` (``ncclC
 kernels stuck on a peer that never comes return. libnccl is the one torch already loaded (``/proc/self/maps``),
 else ``$ASYNCGRPO_NCCL_SO`` / ``$VLLM_NCCL_SO_PATH``, else the nvidia-nccl wheel, else ``libnccl.so.2``.
 
-Self-check on a GPU host: ``python -m asyncgrpo_cli.sync.nccl_comm`` (two ranks when two GPUs are visible).
+Self-check on a GPU host: ``python -m asyncgrpo_cli.nccl.binding`` (two ranks when two GPUs are visible).
 """
 
 from __future__ import annotations

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from asyncgrpo_cli.server.engine import Completion
-from asyncgrpo_cli.server.protocol import (
-    ApiError,
-    ModelContext,
+from asyncgrpo_cli.embedded.api import ApiError, ModelContext
+from asyncgrpo_cli.embedded.completions import (
     build_completion_response,
     parse_completion_request,
 )
+from asyncgrpo_cli.embedded.engine import Completion
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -66,3 +67,47 @@ def test_prompt_order_is_a_seeded_permutation_per_epoch():
     again = PromptOrder(num_rows=5, seed=3, shuffle=True)
     assert [again.row_index(i)[1] for i in range(10)] == first + second  # reproducible across resumes
     assert [PromptOrder(5, 3, shuffle=False).row_index(i)[1] for i in range(5)] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    "name,content,what",
+    [
+        ("data.jsonl", b"", "is an empty file"),
+        ("data.jsonl", b"\n  \n", "is an empty file"),
+        ("data.json", b"", "is an empty file"),
+        ("data.csv", b"", "is an empty file"),
+        ("data.parquet", b"", "is an empty file"),
+        ("data.json", b"[]", "holds no rows"),
+        ("data.csv", b"prompt\n", "holds no rows"),
+    ],
+)
+def test_an_empty_data_file_is_named(tmp_path, name, content, what):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(UserError, match=re.escape(f"data.path '{path}' {what}: the dataset is empty")):
+        load_prompts(DataConfig(source="hf", path=str(path)))
+
+
+def test_a_directory_of_empty_data_files_is_named(tmp_path):
+    (tmp_path / "a.jsonl").write_text("")
+    with pytest.raises(UserError, match=re.escape(f"data.path '{tmp_path}' holds only empty data files")):
+        load_prompts(DataConfig(source="hf", path=str(tmp_path)))
+
+
+def test_num_examples_from_a_recipe_warns_once_that_it_cuts_the_users_file(tmp_path, caplog):
+    from asyncgrpo_cli.config.compose import compose_config
+
+    path = _jsonl(tmp_path, [{"prompt": f"{i}+1?"} for i in range(70)])
+    data = compose_config(["+recipe=tiny", "data.source=hf", f"data.path={path}"]).data
+    assert data.num_examples == 64  # the tiny recipe's data group sets it
+    with caplog.at_level("WARNING", logger="asyncgrpo_cli.data.sources"):
+        assert len(load_hf(data)) == 64
+    (record,) = [r for r in caplog.records if r.name == "asyncgrpo_cli.data.sources"]
+    text = record.getMessage()
+    assert "data.num_examples=64 keeps only the first 64 of the 70 rows" in text and str(path) in text
+    assert "set data.num_examples=null to train on every row" in text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="asyncgrpo_cli.data.sources"):
+        assert len(load_hf(DataConfig(source="hf", path=str(path), num_examples=None))) == 70
+        assert len(load_hf(DataConfig(source="hf", path=str(path), num_examples=70))) == 70
+    assert not caplog.records  # nothing is cut: no warning

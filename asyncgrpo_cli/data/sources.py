@@ -7,6 +7,7 @@ so the rollout process only ever sees conversational prompts.
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 from asyncgrpo_cli import registry
 from asyncgrpo_cli.config.schema import DataConfig
 from asyncgrpo_cli.errors import UserError
+
+log = logging.getLogger(__name__)
 
 _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 
@@ -40,18 +43,50 @@ def load_hf(cfg: DataConfig):
                     f"data.path {cfg.path!r}: unsupported file type {path.suffix!r}; "
                     f"use one of {', '.join(_LOCAL_FORMATS)}."
                 )
+            if _is_empty_file(path):
+                raise _empty(cfg, "is an empty file")
             ds = datasets.load_dataset(fmt, data_files=str(path), split="train")
         else:
             ds = datasets.load_dataset(cfg.path, cfg.name, split=cfg.split)
     except UserError:
         raise
+    except StopIteration as e:  # the json builder on empty data files (a directory of them)
+        raise _empty(cfg, "holds only empty data files") from e
     except Exception as e:  # the datasets library raises many types; the user needs the key and the cause
+        if path.exists() and "corresponds to no data" in str(
+            e
+        ):  # e.g. a .json holding [] or a bare csv header
+            raise _empty(cfg, "holds no rows") from e
         raise UserError(
             f"data.path {cfg.path!r} (split {cfg.split!r}) could not be loaded: {type(e).__name__}: {e}"
         ) from e
-    if cfg.num_examples is not None:
-        ds = ds.select(range(min(cfg.num_examples, len(ds))))
+    if cfg.num_examples is not None and cfg.num_examples < len(ds):
+        log.warning(
+            "data.num_examples=%d keeps only the first %d of the %d rows of data.path %r (a recipe may set it: "
+            "+recipe=tiny does); set data.num_examples=null to train on every row.",
+            cfg.num_examples,
+            cfg.num_examples,
+            len(ds),
+            cfg.path,
+        )
+        ds = ds.select(range(cfg.num_examples))
     return ds
+
+
+def _is_empty_file(path: Path) -> bool:
+    """No bytes, or (a text format) nothing but whitespace."""
+    size = path.stat().st_size
+    if size == 0 or path.suffix not in (".json", ".jsonl", ".csv"):
+        return size == 0
+    with path.open("rb") as f:
+        return not any(chunk.strip() for chunk in iter(lambda: f.read(1 << 16), b""))
+
+
+def _empty(cfg: DataConfig, what: str) -> UserError:
+    return UserError(
+        f"data.path {cfg.path!r} {what}: the dataset is empty. Put prompts in it (a {cfg.prompt_column!r} "
+        "column), or point data.path at another file."
+    )
 
 
 _TINY_WORDS = ["one", "two", "three", "four", "five", "apples", "numbers", "count", "letters", "words"]

@@ -188,11 +188,13 @@ def _check(args: list[str]) -> None:
             from asyncgrpo_cli.config.store import GROUPS
 
             raise UserError(f"no config group {group!r}; groups: {', '.join(GROUPS)}") from None
-        table = Table(title=f"config group {group}", show_lines=False)
-        for col in ("key", "default", "meaning"):
-            table.add_column(col, overflow="fold")
-        for key, default, help_text in rows:
-            table.add_row(key, default, help_text)
+        table = Table(title=f"config group {group}", show_lines=False, expand=True)
+        with_choices = any(choices for _, _, choices, _ in rows)
+        table.add_column("key", no_wrap=True)
+        for col, ratio in (("default", 1), *([("choices", 1)] if with_choices else []), ("meaning", 3)):
+            table.add_column(col, overflow="fold", ratio=ratio)
+        for key, default, choices, help_text in rows:
+            table.add_row(key, default, *([choices] if with_choices else []), help_text)
         console.print(table)
         return
     probe = "--probe-server" in args

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from asyncgrpo_cli.config import schema
+from asyncgrpo_cli.config.choices import field_choices
 from asyncgrpo_cli.config.schema import RootConfig
 from asyncgrpo_cli.sync import lora_policy
 
@@ -89,14 +90,19 @@ def plan_lines(cfg: RootConfig) -> list[tuple[str, str]]:
     ]
 
 
-def explain_group(group: str) -> list[tuple[str, str, str]]:
-    """(key, default, help) for every field of a group's schema."""
+def explain_group(group: str) -> list[tuple[str, str, str, str]]:
+    """(key, default, choices, help) for every field of a group's schema; choices are '' for a free value."""
     from asyncgrpo_cli.config.store import GROUPS
 
     cls: Any = GROUPS.get(group)
     if cls is None:
         raise KeyError(group)
+    return _explain(cls, group)
+
+
+def _explain(cls: Any, prefix: str) -> list[tuple[str, str, str, str]]:
     out = []
+    found = field_choices(cls)
     for f in dataclasses.fields(cls):
         default = (
             f.default
@@ -104,18 +110,19 @@ def explain_group(group: str) -> list[tuple[str, str, str]]:
             else (f.default_factory() if f.default_factory is not dataclasses.MISSING else "")
         )
         if dataclasses.is_dataclass(default):
-            for sub in dataclasses.fields(default):
-                out.append(
-                    (
-                        f"{group}.{f.name}.{sub.name}",
-                        repr(getattr(default, sub.name)),
-                        sub.metadata.get("help", ""),
-                    )
-                )
+            out += _explain(type(default), f"{prefix}.{f.name}")
             continue
         if isinstance(default, float) and math.isinf(default):
             default = "inf"
-        out.append((f"{group}.{f.name}", repr(default), f.metadata.get("help", "")))
+        choice = found.get(f.name)
+        out.append(
+            (
+                f"{prefix}.{f.name}",
+                repr(default),
+                choice.explain() if choice else "",
+                f.metadata.get("help", ""),
+            )
+        )
     return out
 
 

@@ -2,13 +2,27 @@
 
 Each group under ``conf/`` has one dataclass here; ``RootConfig`` ties them together. Field docs live on the
 field (``help``) so ``asyncgrpo check --explain GROUP`` can print them. Components receive only their own
-sub-config.
+sub-config. A field whose valid values are a fixed set is typed with a choice type from ``config/choices.py``
+(validation and ``--explain`` read the values from it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from asyncgrpo_cli.config.choices import (
+    AttnImplementation,
+    ConsoleMode,
+    Dtype,
+    LoraBias,
+    LrSchedulerType,
+    MixedPrecision,
+    SamplingMask,
+    ServeDtype,
+    SinkName,
+    TrainDevice,
+)
 
 
 def F(default: Any = None, help: str = "", *, factory: Any = None) -> Any:  # noqa: A002 - mirrors argparse
@@ -39,7 +53,7 @@ class LoraConfig:
     use_dora: bool = F(
         False, "DoRA (weight-decomposed LoRA). Not servable as an adapter: merged weights are pushed instead."
     )
-    bias: str = F(
+    bias: LoraBias = F(
         "none", "Train biases too: none, all or lora_only. Only none is servable as an adapter (else merged)."
     )
     modules_to_save: list[str] = F(
@@ -57,13 +71,13 @@ class ModelConfig:
     )
     revision: str | None = F(None, "Hub revision for the model and tokenizer.")
     trust_remote_code: bool = F(False, "Allow custom code from the Hub (model and tokenizer).")
-    dtype: str = F(
+    dtype: Dtype = F(
         "float32",
         "Trainer load dtype: auto, bfloat16, float16 or float32. fp32 keeps the training-inference mismatch "
         "small; serve the model at the same dtype.",
     )
     gradient_checkpointing: bool = F(True, "Recompute activations in backward to save memory.")
-    attn_implementation: str = F(
+    attn_implementation: AttnImplementation = F(
         "auto",
         "Attention for training: auto (flex_attention on CUDA, sdpa elsewhere), sdpa, eager, or flex_attention "
         "(compiled, block-sparse packed-row masks; CUDA only).",
@@ -89,7 +103,7 @@ class EmbeddedServerConfig:
         65536,
         "Token capacity the server admits at once; reported as vllm:cache_config_info kv_cache_size_tokens.",
     )
-    dtype: str = F("float32", "Serving dtype (match model.dtype to keep log-probs comparable).")
+    dtype: ServeDtype = F("float32", "Serving dtype (match model.dtype to keep log-probs comparable).")
     num_threads: int | None = F(
         None, "torch threads of the server process; None: half the cores (at least 1)."
     )
@@ -260,7 +274,7 @@ class SamplingConfig:
         "build: seeded requests under concurrency kill its engine (the startup probe refuses the combination).",
     )
     seed: int = F(0, "Base of the per-request seeds.")
-    sampling_mask: str = F(
+    sampling_mask: SamplingMask = F(
         "auto",
         "Candidate sets of truncated sampling (top_k / top_p / min_p; reference section j): auto = request each "
         "token's set through /inference/v1/generate when the server returns them (vLLM --return-sampling-mask "
@@ -351,7 +365,9 @@ class RolloutConfig:
 @dataclass
 class TrainerConfig:
     learning_rate: float = F(1e-6, "AdamW learning rate.")
-    lr_scheduler_type: str = F("constant", "LR schedule: constant, constant_with_warmup, linear or cosine.")
+    lr_scheduler_type: LrSchedulerType = F(
+        "constant", "LR schedule: constant, constant_with_warmup, linear or cosine."
+    )
     warmup_steps: int = F(0, "Warmup steps of the LR schedule.")
     weight_decay: float = F(0.0, "AdamW weight decay.")
     adam_beta1: float = F(0.9, "AdamW beta1.")
@@ -373,7 +389,7 @@ class TrainerConfig:
     save_hf_model: bool = F(
         True, "Also write the policy as an HF model directory (checkpoint/model) in checkpoints."
     )
-    mixed_precision: str | None = F(
+    mixed_precision: MixedPrecision | None = F(
         None,
         "bfloat16: fp32 master weights (model.dtype=float32) computed in bf16, gradients reduced in fp32 (FSDP2, "
         "also on one GPU); null: compute in model.dtype.",
@@ -393,7 +409,7 @@ class TrainerConfig:
         "torch.compile each decoder layer (the first steps pay the compilation; mostly worth it on GPUs).",
     )
     dist_timeout: float = F(1800.0, "Seconds a collective may wait for the other ranks before failing.")
-    device: str = F("auto", "Training device: auto, cpu or cuda.")
+    device: TrainDevice = F("auto", "Training device: auto, cpu or cuda.")
     num_threads: int | None = F(None, "torch threads of the trainer on CPU; None: torch's default.")
 
 
@@ -415,10 +431,10 @@ class DataConfig:
 @dataclass
 class LoggingConfig:
     logging_steps: int = F(1, "Optimizer steps per logging window.")
-    sinks: list[str] = F(
+    sinks: list[SinkName] = F(
         help="Metric sinks: console, jsonl, trackio.", factory=lambda: ["console", "jsonl", "trackio"]
     )
-    console: str = F("auto", "Console view: live (rich progress), plain (one line per window), auto.")
+    console: ConsoleMode = F("auto", "Console view: live (rich progress), plain (one line per window), auto.")
     project: str = F("asyncgrpo", "trackio project name.")
     run_name: str | None = F(None, "Run name for trackio; default: the run directory name.")
     log_completions: bool = F(False, "Print a sample of (prompt, completion) pairs every logging window.")

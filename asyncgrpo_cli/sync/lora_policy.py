@@ -37,7 +37,6 @@ PACKED = {
     "up_proj": "gate_up_proj",
 }
 """vLLM serves these projections fused; its ``--lora-target-modules`` may name either form."""
-LORA_BIAS = ("none", "all", "lora_only")
 MERGES_LORA = ("disk", "lora")
 """Weight-sync backends that can push a LoRA model (``disk`` writes merged weights through ``write_full_state``)."""
 
@@ -254,8 +253,6 @@ def config_errors(cfg: Any) -> list[str]:
                 f"model.lora.{key} names {bad}: the chunked LM head reads the base weight, so it would "
                 "never be trained; remove it."
             )
-    if lora.bias not in LORA_BIAS:
-        errs.append(f"model.lora.bias ({lora.bias!r}) must be one of {', '.join(LORA_BIAS)}.")
     if sv.weight_sync == "lora" and sv.backend == "vllm_launch":
         errs += _launch_errors(cfg)
     if sv.weight_sync == "lora" and sv.backend == "embedded" and sv.embedded.enable_lora is False:

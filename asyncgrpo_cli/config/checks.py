@@ -1,0 +1,235 @@
+"""Value checks of a typed config: one function per group, then the named rules that span groups.
+
+A group's check sees only its own sub-config and yields one message per problem, naming the full key, the value
+and the fix; choice fields (``config/choices.py``) are checked from the schema before it. A rule that reads two
+groups is a named function in ``CROSS_GROUP_RULES``: a new product (a scorer, a server, an environment) adds its
+rules there. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from asyncgrpo_cli.config.choices import choice_errors
+from asyncgrpo_cli.config.schema import (
+    DataConfig,
+    LoggingConfig,
+    LossConfig,
+    ModelConfig,
+    PackingConfig,
+    RewardsConfig,
+    RolloutConfig,
+    RootConfig,
+    SamplingConfig,
+    ServerConfig,
+    TrainerConfig,
+)
+from asyncgrpo_cli.sync import lora_policy
+
+
+# -- one check per group ------------------------------------------------------------------------------------------
+def sampling_errors(s: SamplingConfig) -> Iterator[str]:
+    if s.num_generations < 2:
+        yield (
+            f"sampling.num_generations ({s.num_generations}) must be >= 2: GRPO normalizes rewards within a group."
+        )
+    if s.max_completion_length < 1:
+        yield "sampling.max_completion_length must be >= 1."
+    if s.temperature < 0:
+        yield f"sampling.temperature ({s.temperature}) must be >= 0."
+    if not 0 < s.top_p <= 1:
+        yield f"sampling.top_p ({s.top_p}) must be in (0, 1]."
+    if s.top_k < 0:
+        yield f"sampling.top_k ({s.top_k}) must be >= 0 (0 disables)."
+    if not 0 <= s.min_p <= 1:
+        yield f"sampling.min_p ({s.min_p}) must be in [0, 1]."
+    if s.repetition_penalty <= 0:
+        yield "sampling.repetition_penalty must be > 0 (1.0 disables)."
+    if s.num_sampler_logprobs < 0:
+        yield "sampling.num_sampler_logprobs must be >= 0."
+    if s.max_mask_candidates < 1:
+        yield (
+            f"sampling.max_mask_candidates ({s.max_mask_candidates}) must be >= 1: it caps each token's "
+            "candidate set."
+        )
+
+
+def loss_errors(lo: LossConfig) -> Iterator[str]:
+    if not 0 < lo.vllm_importance_sampling_clip_min <= 1 <= lo.vllm_importance_sampling_clip_max:
+        yield (
+            f"loss.vllm_importance_sampling_clip_min/max ({lo.vllm_importance_sampling_clip_min}, "
+            f"{lo.vllm_importance_sampling_clip_max}) must satisfy 0 < min <= 1 <= max."
+        )
+    if not 0 <= lo.epsilon < 1:
+        yield f"loss.epsilon ({lo.epsilon}) must be in [0, 1)."
+    if lo.epsilon_high is not None and lo.epsilon_high < 0:
+        yield "loss.epsilon_high must be >= 0 or null."
+
+
+def rollout_errors(ro: RolloutConfig) -> Iterator[str]:
+    if ro.max_concurrent_rollouts < 1:
+        yield "rollout.max_concurrent_rollouts must be >= 1."
+    if ro.max_staleness < 0:
+        yield "rollout.max_staleness must be >= 0."
+    if ro.weight_sync_steps < 1:
+        yield "rollout.weight_sync_steps must be >= 1."
+    if ro.rollout_worker_timeout <= 0:
+        yield "rollout.rollout_worker_timeout must be > 0 seconds."
+    if ro.score_queue_maxsize < 1:
+        yield "rollout.score_queue_maxsize must be >= 1."
+
+
+def trainer_errors(tr: TrainerConfig) -> Iterator[str]:
+    if tr.gradient_accumulation_steps < 1:
+        yield "trainer.gradient_accumulation_steps must be >= 1."
+    if tr.learning_rate < 0:
+        yield "trainer.learning_rate must be >= 0."
+    if not (tr.max_steps > 0 or tr.num_train_epochs > 0):
+        yield "set trainer.max_steps > 0 or trainer.num_train_epochs > 0: otherwise training never starts."
+    if tr.save_steps < 0:
+        yield "trainer.save_steps must be >= 0 (0: save only at the end)."
+    if tr.lr_scheduler_type not in ("constant", "constant_with_warmup") and tr.max_steps <= 0:
+        yield (
+            f"trainer.lr_scheduler_type={tr.lr_scheduler_type} decays over trainer.max_steps: set "
+            "trainer.max_steps (the step count of an epoch-based run is unknown in advance)."
+        )
+    if tr.cpu_offload and tr.device == "cpu":
+        yield (
+            "trainer.cpu_offload=true moves FSDP2 shards off a GPU, but trainer.device=cpu: set "
+            "trainer.cpu_offload=false."
+        )
+
+
+def model_errors(model: ModelConfig) -> Iterator[str]:
+    """Nothing beyond its choices (dtype, attn_implementation, lora.bias when model.lora is on): the rest of
+    model.lora reads server too (``lora_policy.config_errors``, a cross-group rule)."""
+    yield from ()
+
+
+def packing_errors(pk: PackingConfig) -> Iterator[str]:
+    if pk.token_budget is not None and pk.token_budget <= 0:
+        yield "packing.token_budget must be > 0 or null."
+
+
+def server_errors(sv: ServerConfig) -> Iterator[str]:
+    if not (sv.timeout > 0 and sv.startup_timeout > 0):
+        yield "server.timeout and server.startup_timeout must be > 0."
+    if sv.max_retries < 0:
+        yield "server.max_retries must be >= 0."
+    nc, emb = sv.nccl, sv.embedded
+    if not (nc.num_buffers >= 1 and nc.buffer_size_bytes >= 1):
+        yield "server.nccl.num_buffers and server.nccl.buffer_size_bytes must be >= 1."
+    if not (nc.timeout > 0 and nc.init_timeout > 0):
+        yield "server.nccl.timeout and server.nccl.init_timeout must be > 0."
+    if not 0 <= emb.port < 65536:
+        yield f"server.embedded.port ({emb.port}) must be in [0, 65535] (0: a free port)."
+    if not (emb.max_model_len > 0 and emb.max_num_seqs > 0):
+        yield "server.embedded.max_model_len/max_num_seqs must be > 0."
+
+
+def logging_errors(lg: LoggingConfig) -> Iterator[str]:
+    if lg.logging_steps < 1:
+        yield "logging.logging_steps must be >= 1."
+
+
+def data_errors(data: DataConfig) -> Iterator[str]:
+    if data.num_examples is not None and data.num_examples <= 0:
+        yield "data.num_examples must be > 0 or null."
+
+
+def rewards_errors(rw: RewardsConfig) -> Iterator[str]:
+    if not rw.funcs:
+        yield "rewards.funcs is empty: give at least one reward function."
+
+
+GROUP_CHECKS: dict[str, Callable[[Any], Iterable[str]]] = {
+    "sampling": sampling_errors,
+    "loss": loss_errors,
+    "rollout": rollout_errors,
+    "trainer": trainer_errors,
+    "model": model_errors,
+    "packing": packing_errors,
+    "server": server_errors,
+    "logging": logging_errors,
+    "data": data_errors,
+    "rewards": rewards_errors,
+}
+"""Group name (a ``RootConfig`` field) -> its check; every group has one (a test holds them in step)."""
+
+
+# -- rules across groups ------------------------------------------------------------------------------------------
+def mixed_precision_keeps_fp32_master(cfg: RootConfig) -> Iterator[str]:
+    tr = cfg.trainer
+    if tr.mixed_precision is not None and cfg.model.dtype != "float32":
+        yield (
+            f"trainer.mixed_precision={tr.mixed_precision} keeps fp32 master weights: set model.dtype=float32 "
+            f"(not {cfg.model.dtype!r}), or trainer.mixed_precision=null to train in model.dtype."
+        )
+
+
+def flex_attention_needs_cuda(cfg: RootConfig) -> Iterator[str]:
+    if cfg.model.attn_implementation == "flex_attention" and cfg.trainer.device == "cpu":
+        yield (
+            "model.attn_implementation=flex_attention needs trainer.device=cuda (flex attention has no CPU "
+            "backward): use model.attn_implementation=auto or sdpa on CPU."
+        )
+
+
+def nccl_sync_needs_gpus(cfg: RootConfig) -> Iterator[str]:
+    sv = cfg.server
+    if sv.weight_sync != "nccl":
+        return
+    if cfg.trainer.device == "cpu":
+        yield (
+            "server.weight_sync=nccl broadcasts from the trainer's GPU: set trainer.device=cuda (or auto), or "
+            "server.weight_sync=disk."
+        )
+    if sv.backend == "embedded" and not sv.embedded.device.startswith("cuda"):
+        yield (
+            f"server.weight_sync=nccl needs the embedded server on a GPU (server.embedded.device is "
+            f"{sv.embedded.device!r}): set server.embedded.device=cuda:1 (another GPU than the trainer's), or "
+            "server.weight_sync=disk."
+        )
+
+
+def completion_fits_embedded_server(cfg: RootConfig) -> Iterator[str]:
+    s, sv = cfg.sampling, cfg.server
+    if sv.backend == "embedded" and s.max_completion_length >= sv.embedded.max_model_len:
+        yield (
+            f"sampling.max_completion_length ({s.max_completion_length}) must be below "
+            f"server.embedded.max_model_len ({sv.embedded.max_model_len}) to leave room for the prompt."
+        )
+
+
+def token_budget_fits_completion(cfg: RootConfig) -> Iterator[str]:
+    pk, s = cfg.packing, cfg.sampling
+    if pk.token_budget is not None and pk.token_budget <= s.max_completion_length:
+        yield (
+            f"packing.token_budget ({pk.token_budget}) must exceed sampling.max_completion_length "
+            f"({s.max_completion_length}) plus the prompt: raise packing.token_budget or lower "
+            "sampling.max_completion_length."
+        )
+
+
+CROSS_GROUP_RULES: tuple[Callable[[RootConfig], Iterable[str]], ...] = (
+    mixed_precision_keeps_fp32_master,
+    flex_attention_needs_cuda,
+    nccl_sync_needs_gpus,
+    completion_fits_embedded_server,
+    token_budget_fits_completion,
+    lora_policy.config_errors,  # model.lora with server.weight_sync and the server's adapter limits
+)
+"""Rules that read more than one group, each a named function of the whole config."""
+
+
+def value_errors(cfg: RootConfig) -> list[str]:
+    """Every value problem of a typed config: each group's choices and check, then the cross-group rules."""
+    errors: list[str] = []
+    for group, check in GROUP_CHECKS.items():
+        sub = getattr(cfg, group)
+        errors += choice_errors(sub, group)
+        errors += check(sub)
+    for rule in CROSS_GROUP_RULES:
+        errors += rule(cfg)
+    return errors

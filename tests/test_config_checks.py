@@ -1,0 +1,92 @@
+"""Choice fields come from the schema; value checks are one per group plus named cross-group rules."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import fields
+
+import pytest
+
+from asyncgrpo_cli.config import schema
+from asyncgrpo_cli.config.checks import CROSS_GROUP_RULES, GROUP_CHECKS
+from asyncgrpo_cli.config.choices import field_choices
+from asyncgrpo_cli.config.compose import compose_config
+from asyncgrpo_cli.config.plan import explain_group
+from asyncgrpo_cli.config.store import GROUPS
+from asyncgrpo_cli.errors import ConfigError
+
+LORA = ("model.lora.enabled=true", "server.weight_sync=lora")
+
+
+def _errors(*overrides: str) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        compose_config(["+recipe=tiny", *overrides])
+    return info.value.errors
+
+
+def test_a_choice_error_names_the_key_the_value_the_choices_and_the_closest():
+    assert _errors("trainer.lr_scheduler_type=cosin") == [
+        "trainer.lr_scheduler_type ('cosin') must be one of constant, constant_with_warmup, linear, cosine; "
+        "did you mean 'cosine'?"
+    ]
+    assert _errors("sampling.sampling_mask=never") == [
+        "sampling.sampling_mask ('never') must be one of auto, required, off."
+    ]
+
+
+def test_console_sinks_and_serving_dtype_are_checked_before_anything_starts():
+    assert _errors("logging.console=fancy") == ["logging.console ('fancy') must be one of live, plain, auto."]
+    assert _errors("logging.sinks=[console,jsonll]") == [
+        "logging.sinks[1] ('jsonll') must be one of console, jsonl, trackio; did you mean 'jsonl'?"
+    ]
+    assert _errors("server.embedded.dtype=auto") == [
+        "server.embedded.dtype ('auto') must be one of float32, bfloat16, float16."
+    ]
+
+
+def test_a_disabled_features_choices_are_not_read():
+    assert compose_config(["+recipe=tiny", "model.lora.bias=some"]).model.lora.bias == "some"
+    (msg,) = _errors(*LORA, "model.lora.bias=some")
+    assert msg == "model.lora.bias ('some') must be one of none, all, lora_only."
+
+
+def test_runtime_mirrors_of_the_choices_agree_with_the_schema():
+    """Modules that check a choice again at run time hold the schema's values."""
+    from asyncgrpo_cli.embedded.model import DTYPES
+    from asyncgrpo_cli.metrics.console import CONSOLE_MODES
+    from asyncgrpo_cli.metrics.logger import SINK_NAMES
+    from asyncgrpo_cli.model.flex import ATTN_CHOICES
+
+    assert field_choices(schema.ModelConfig)["attn_implementation"].values == ATTN_CHOICES
+    assert field_choices(schema.LoggingConfig)["console"].values == CONSOLE_MODES
+    assert field_choices(schema.LoggingConfig)["sinks"].values == SINK_NAMES
+    assert set(field_choices(schema.EmbeddedServerConfig)["dtype"].values) == set(DTYPES)
+
+
+def test_every_group_has_one_check_and_the_cross_group_rules_are_named():
+    assert set(GROUP_CHECKS) == set(GROUPS)
+    assert set(GROUPS) <= {f.name for f in fields(schema.RootConfig)}
+    names = [rule.__name__ for rule in CROSS_GROUP_RULES]
+    assert len(set(names)) == len(names) and "<lambda>" not in names
+    assert compose_config(["+recipe=tiny"])  # every check passes on a shipped recipe
+
+
+def test_explain_lists_each_fields_choices():
+    rows = {key: (default, choices) for key, default, choices, _ in explain_group("trainer")}
+    assert rows["trainer.mixed_precision"] == ("None", "bfloat16, null")
+    assert rows["trainer.device"] == ("'auto'", "auto, cpu, cuda")
+    assert rows["trainer.max_steps"][1] == ""
+    model = {key: choices for key, _, choices, _ in explain_group("model")}
+    assert model["model.lora.bias"] == "none, all, lora_only"
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncgrpo_cli", "check", "--explain", "logging"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "choices" in out.stdout and "each: console, jsonl, trackio" in out.stdout
+    assert "live, plain, auto" in out.stdout

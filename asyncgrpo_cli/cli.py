@@ -134,8 +134,8 @@ def _quiet_libraries() -> None:
 def _train_job(dcfg) -> None:
     """One Hydra job: validate, write resolved.yaml, train. Failures are recorded so a sweep's other jobs run."""
     from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
 
+    from asyncgrpo_cli.config.store import write_resolved
     from asyncgrpo_cli.config.validate import to_root_config
 
     hc = HydraConfig.get()
@@ -153,7 +153,7 @@ def _train_job(dcfg) -> None:
         cfg = to_root_config(dcfg)
         run_dir.mkdir(parents=True, exist_ok=True)
         if main_rank:
-            OmegaConf.save(dcfg, run_dir / "resolved.yaml", resolve=True)
+            write_resolved(cfg, run_dir / "resolved.yaml")
         from asyncgrpo_cli.train.run import run_train
 
         state = run_train(cfg, run_dir)

@@ -1,4 +1,5 @@
-"""Choice fields come from the schema; value checks are one per group plus named cross-group rules."""
+"""Choice fields come from the schema; value checks are one per group plus named cross-group rules;
+resolved.yaml is the validated config with its derived defaults."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ import sys
 from dataclasses import fields
 
 import pytest
+from omegaconf import OmegaConf
 
 from asyncgrpo_cli.config import schema
 from asyncgrpo_cli.config.checks import CROSS_GROUP_RULES, GROUP_CHECKS
 from asyncgrpo_cli.config.choices import field_choices
 from asyncgrpo_cli.config.compose import compose_config
 from asyncgrpo_cli.config.plan import explain_group
-from asyncgrpo_cli.config.store import GROUPS
+from asyncgrpo_cli.config.store import GROUPS, resolved_yaml
+from asyncgrpo_cli.config.validate import to_root_config
 from asyncgrpo_cli.errors import ConfigError
 
 LORA = ("model.lora.enabled=true", "server.weight_sync=lora")
@@ -90,3 +93,43 @@ def test_explain_lists_each_fields_choices():
     assert out.returncode == 0, out.stderr
     assert "choices" in out.stdout and "each: console, jsonl, trackio" in out.stdout
     assert "live, plain, auto" in out.stdout
+
+
+def test_resolved_yaml_is_the_validated_config_with_derived_defaults():
+    cfg = compose_config(["+recipe=tiny", *LORA])
+    text = resolved_yaml(cfg)
+    data = OmegaConf.to_container(OmegaConf.create(text))
+    assert data["server"]["embedded"]["enable_lora"] is True  # derived (null in the composed config)
+    assert (data["server"]["vllm_launch"]["max_lora_rank"], data["server"]["vllm_launch"]["max_loras"]) == (
+        16,
+        6,
+    )
+    assert to_root_config(data) == cfg  # it validates back to exactly the config that ran
+
+
+def test_train_writes_resolved_yaml_after_validation(tmp_path):
+    """The run directory's resolved.yaml carries the derived defaults (the run then stops on its empty data)."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    run = tmp_path / "run"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncgrpo_cli",
+            "train",
+            "+recipe=tiny",
+            *LORA,
+            "data.source=hf",
+            f"data.path={empty}",
+            "logging.console=plain",
+            f"hydra.run.dir={run}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode != 0 and f"data.path '{empty}' is an empty file" in out.stderr, out.stderr[-3000:]
+    resolved = OmegaConf.load(run / "resolved.yaml")
+    assert resolved.server.embedded.enable_lora is True and resolved.server.vllm_launch.max_loras == 6
+    assert resolved.recipe == "tiny" and resolved.data.path == str(empty)

@@ -14,6 +14,7 @@ from asyncgrpo_cli.metrics.reducer import MetricWindow
 from asyncgrpo_cli.rollout.rewards import RewardError, RewardFunction, call_reward_funcs, load_reward_funcs
 from asyncgrpo_cli.rollout.scorers import Scorer, ScorerContext
 from asyncgrpo_cli.rollout.scorers.grpo import (
+    ZERO_STD_RTOL,
     GroupScorer,
     group_advantages,
     group_std,
@@ -49,6 +50,30 @@ def test_zero_std_and_fewer_than_two_scored_are_dropped():
     assert is_zero_signal(np.array([2.0, nan, 2.0]))  # equal scored rewards
     assert not is_zero_signal(np.array([1.0, nan, 0.0]))
     np.testing.assert_array_equal(group_advantages(np.array([1.0, nan, nan])), [0.0, 0.0, 0.0])
+
+
+def test_groups_equal_up_to_rounding_have_zero_variance():
+    """Rule 4: std <= 1e-6 * max(1, max|r|) is zero variance; exact float equality is not required."""
+    fractional = 0.1 + 0.2 + 0.3  # 0.6000000000000001
+    assert fractional != 0.6
+    for rewards in (
+        [fractional, 0.6, 0.6],  # three completions scored by parts summing to 0.6, one scored 0.6 outright
+        [0.6, fractional, fractional, 0.6],
+        [1.0, 1.0 + 2e-9, 1.0, 1.0],  # gave advantages of +-1.7 with exact equality
+        [1000.0, 1000.0 + 1e-4, 1000.0],  # the tolerance follows the reward scale
+    ):
+        r = np.array(rewards)
+        assert is_zero_signal(r), rewards
+        np.testing.assert_array_equal(group_advantages(r), np.zeros(len(r)))
+    # Real differences, small or at a large scale, keep their signal.
+    for rewards in ([0.0, 1e-3], [0.6, 0.6, 0.6 + 1e-4], [1000.0, 1000.1], [nan, 0.1 + 0.2, 0.4]):
+        r = np.array(rewards)
+        assert not is_zero_signal(r), rewards
+        scored = r[~np.isnan(r)]
+        np.testing.assert_allclose(group_advantages(r)[~np.isnan(r)], (scored - scored.mean()) / scored.std())
+    # The boundary, as stated: at the tolerance the group is dropped, clearly above it kept.
+    assert is_zero_signal(np.array([0.0, 1.5 * ZERO_STD_RTOL]))  # std 0.75 * ZERO_STD_RTOL
+    assert not is_zero_signal(np.array([0.0, 4 * ZERO_STD_RTOL]))
 
 
 def test_none_excludes_a_source_and_all_none_is_nan():
@@ -213,9 +238,9 @@ def test_group_scorer_stamps_every_sample_and_records_the_reward_metrics():
     assert out["frac_reward_zero_std"] == 0.0 and "reward_dropped" not in out
 
 
-def test_group_scorer_drops_an_equal_group_and_uses_the_advantage_hook():
+def test_group_scorer_drops_a_rounding_equal_group_and_uses_the_advantage_hook():
     scorer, window = _scorer()
-    scored = asyncio.run(scorer.score(_group([0.6, 0.6, 0.6])))
+    scored = asyncio.run(scorer.score(_group([0.1 + 0.2 + 0.3, 0.6, 0.6])))
     assert scored.samples == [] and scored.drop_reason == "zero_std"
     out = window.reduce()
     assert out["rollout/groups_dropped_count"] == 1 and out["reward_dropped"] == pytest.approx(0.6)

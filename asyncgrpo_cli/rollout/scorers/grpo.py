@@ -6,10 +6,13 @@ Rules (reference section e):
    ``Rollout.reward``; a source returning ``None`` is left out of that sum;
 2. a completion no source scored is *unscored* (NaN): it is excluded from the group mean and std and gets
    advantage 0;
-3. advantage = (r - mean) / std over the scored completions (population std, no epsilon: a kept group has
-   std > 0);
-4. a group whose scored rewards are all equal, or that has fewer than two scored completions, is dropped
-   (``zero_std``); the decision looks at rewards, not at the advantages ``compute_advantages`` returns.
+3. advantage = (r - mean) / std over the scored completions (population std, no epsilon: a kept group's std is
+   above the tolerance of rule 4);
+4. a group is dropped (``zero_std``) when fewer than two completions are scored, or when it has *zero variance*:
+   ``std <= ZERO_STD_RTOL * max(1, max |r|)`` over the scored rewards, with ``ZERO_STD_RTOL = 1e-6``. Rewards equal
+   up to float rounding (``0.1 + 0.2 + 0.3`` and ``0.6``; ``1`` and ``1 + 2e-9``) therefore count as equal
+   instead of yielding advantages of +-1. The decision looks at rewards, not at the advantages
+   ``compute_advantages`` returns.
 
 Metrics per group: ``reward``, ``rewards/{name}/mean``, ``reward_dropped``, ``frac_reward_zero_std``,
 ``rollout/groups_scored_count``, ``rollout/groups_dropped_count``, ``rollout/score_s``.
@@ -26,6 +29,9 @@ import numpy as np
 from asyncgrpo_cli.rollout.rewards import call_reward_funcs
 from asyncgrpo_cli.rollout.scorers.base import AdvantageHook, ScoredGroup, ScorerContext
 from asyncgrpo_cli.rollout.types import RolloutGroup, TrainingSequence
+
+ZERO_STD_RTOL = 1e-6
+"""Rule 4: a group whose reward std is at most this times ``max(1, max |r|)`` has zero variance."""
 
 
 def sum_sources(sources: np.ndarray) -> np.ndarray:
@@ -44,11 +50,11 @@ def _scored(rewards: np.ndarray) -> np.ndarray:
 
 
 def _zero_variance(scored: np.ndarray) -> bool:
-    return bool(np.all(scored == scored[0]))
+    return bool(scored.std() <= ZERO_STD_RTOL * max(1.0, float(np.abs(scored).max())))
 
 
 def is_zero_signal(rewards: np.ndarray) -> bool:
-    """Rule 4: True when the group must be dropped (fewer than two scored completions, or all equal)."""
+    """Rule 4: True when the group must be dropped (fewer than two scored completions, or zero variance)."""
     r = _scored(rewards)
     return r.size < 2 or _zero_variance(r)
 

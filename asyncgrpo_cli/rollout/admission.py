@@ -1,4 +1,4 @@
-"""Admission: may the rollout loop start the next group now? Three gates and their wait metrics.
+"""Admission: may the rollout loop start the next group now? Three gates, their wait metrics, one deadline.
 
 A group of G rollouts starts only while
 
@@ -10,6 +10,11 @@ A group of G rollouts starts only while
 
 Waits: ``rollout/server_wait_s`` (held by gate 1, recorded when the link is healthy again) and
 ``rollout/backpressure_s`` (held by gate 3 alone, recorded when the group starts).
+
+Deadline: a link that stays unhealthy (lost, or back but waiting for the weights) for longer than
+``server.timeout`` fails the rollout process with ``ServerLostError``, which reaches the trainer through the
+process's failure event. Requests in flight have the same bound (``rollout/client.py``); this one covers the
+idle case, when the loss was found by a trainer push or the server died with no request outstanding.
 """
 
 from __future__ import annotations
@@ -20,8 +25,12 @@ from typing import Any
 
 from asyncgrpo_cli.metrics.reducer import MetricWindow
 from asyncgrpo_cli.rollout.concurrency import ConcurrencyController
-from asyncgrpo_cli.rollout.resync import ServerLink
+from asyncgrpo_cli.rollout.resync import LOST, ServerLink
 from asyncgrpo_cli.rollout.staleness import AllowanceTracker
+
+
+class ServerLostError(RuntimeError):
+    """The generation server stayed unreachable (or without its weights) past ``server.timeout``."""
 
 
 class Admission:
@@ -53,7 +62,8 @@ class Admission:
         self._server_held_since: float | None = None  # gate 1 holds
 
     def may_start(self) -> bool:
-        """True when the next group may start now (then call ``start``)."""
+        """True when the next group may start now (then call ``start``); raises ``ServerLostError`` past the
+        deadline."""
         server_ok = self._link_ok()
         G = self.num_generations
         slots_ok = self.in_flight == 0 or self.in_flight + G <= self.concurrency.cap
@@ -91,4 +101,20 @@ class Admission:
             return True
         if self._server_held_since is None:
             self._server_held_since = now
+        waited = now - self._server_held_since
+        if waited > self.server_timeout:
+            raise ServerLostError(self._lost_message(waited))
         return False
+
+    def _lost_message(self, waited: float) -> str:
+        limit = f"{waited:.0f}s (server.timeout={self.server_timeout:g}s)"
+        if self.link.state == LOST:
+            what = f"the generation server at {self.base_url} has not answered for {limit}"
+            fix = "check that it is running (its log in the run directory), or raise server.timeout"
+        else:
+            what = (
+                f"the generation server at {self.base_url} came back without the trained weights and they were "
+                f"not pushed again within {limit}"
+            )
+            fix = "check the trainer's weight sync, or raise server.timeout"
+        return f"{what}; no group can start, so the run stops: {fix}."

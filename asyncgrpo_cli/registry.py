@@ -33,7 +33,7 @@ CONFIG_KEYS = {
     "server": "server.backend",
     "weight_sync": "server.weight_sync",
     "rollout_loop": "rollout.loop",
-    "scorer": "AsyncRolloutLoop.scorer_name (set by the rollout.loop class)",
+    "scorer": "AsyncRolloutLoop.scorer_name",
     "dataset": "data.source",
     "model": "model.name_or_path (builtin:NAME)",
 }

@@ -1,4 +1,5 @@
-"""Named plugins: rewards, losses, packers, server backends, weight-sync backends, rollout loops, datasets, models.
+"""Named plugins: rewards, losses, packers, server backends, weight-sync backends, rollout loops, scorers, datasets,
+models.
 
 Built-ins are listed here as import paths, so listing them (``asyncgrpo plugins``) and checking a name
 (``asyncgrpo check``) import nothing heavy. User code plugs in two ways, without editing the package:
@@ -22,7 +23,7 @@ from typing import Any
 
 from asyncgrpo_cli.errors import UserError
 
-KINDS = ("reward", "loss", "packer", "server", "weight_sync", "rollout_loop", "dataset", "model")
+KINDS = ("reward", "loss", "packer", "server", "weight_sync", "rollout_loop", "scorer", "dataset", "model")
 
 # kind -> the config key that selects it, for error messages.
 CONFIG_KEYS = {
@@ -32,6 +33,7 @@ CONFIG_KEYS = {
     "server": "server.backend",
     "weight_sync": "server.weight_sync",
     "rollout_loop": "rollout.loop",
+    "scorer": "AsyncRolloutLoop.scorer_name",
     "dataset": "data.source",
     "model": "model.name_or_path (builtin:NAME)",
 }
@@ -136,6 +138,12 @@ _BUILTINS: list[tuple[str, str, str, str]] = [
         "default",
         "asyncgrpo_cli.rollout.loop:AsyncRolloutLoop",
         "GRPO: G single- or multi-turn rollouts per prompt, group-normalized advantages",
+    ),
+    (
+        "scorer",
+        "grpo",
+        "asyncgrpo_cli.rollout.scorers.grpo:GroupScorer",
+        "sum of reward sources, group-normalized advantages, zero-variance groups dropped (default)",
     ),
     (
         "dataset",

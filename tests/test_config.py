@@ -23,7 +23,7 @@ GROUP_FILES = sorted((g, p.stem) for g in GROUPS for p in (CONF / g).glob("*.yam
 
 def _build_plugins(cfg: RootConfig) -> None:
     """Build every named plugin of a config without starting anything."""
-    from asyncgrpo_cli.rollout.scoring import load_reward_funcs
+    from asyncgrpo_cli.rollout.rewards import load_reward_funcs
 
     registry.resolve("loss", cfg.loss.name)(cfg.loss)
     registry.resolve("packer", cfg.packing.kind)(cfg.packing)

@@ -1,12 +1,16 @@
-"""Staleness accounting, turn-to-sample reconciliation, prompt tracking for resume: plain data, no processes."""
+"""Staleness accounting and the step collector's pacing, turn-to-sample reconciliation, prompt tracking for
+resume: plain data, no processes."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from asyncgrpo_cli.metrics.reducer import MetricWindow
+from asyncgrpo_cli.packing.planner import TokenBudgetPlanner
 from asyncgrpo_cli.rollout.sequences import rollout_to_sequences
 from asyncgrpo_cli.rollout.staleness import AllowanceTracker, initial_allowance, is_stale, step_allowance
-from asyncgrpo_cli.rollout.types import Rollout, TurnRecord
+from asyncgrpo_cli.rollout.types import PromptResolved, Rollout, RolloutDone, TrainingSequence, TurnRecord
+from asyncgrpo_cli.train.batching import StepCollector
 from asyncgrpo_cli.train.progress import PromptTracker
 
 
@@ -100,3 +104,55 @@ def test_prompt_tracker_low_water_mark_and_resolved_above():
     assert back.low_water == 4 and back.consumed_count == 4
     back.resolve(1)  # already resolved: ignored, never double counted
     assert back.consumed_count == 4
+
+
+class _FakeRolloutQueue:
+    """The trainer-side handle of the rollout process, as the step collector sees it."""
+
+    def __init__(self, items):
+        self.items = list(items)
+        self.allowances: list[int] = []
+        self.consumed = 0
+
+    def set_allowance(self, tokens: int) -> None:
+        self.allowances.append(tokens)
+
+    def add_consumed(self, tokens: int) -> None:
+        self.consumed += tokens
+
+    def get(self, timeout: float):
+        return self.items.pop(0) if self.items else None
+
+
+def _sample(n: int, prompt_seq: int, version: int, group_num_samples: int = 1) -> TrainingSequence:
+    s = TrainingSequence(
+        input_ids=np.arange(n, dtype=np.int64),
+        train_mask=np.ones(n, dtype=bool),
+        sampler_logprobs=np.zeros(n, dtype=np.float32),
+    )
+    s.prompt_seq, s.model_version, s.group_num_samples = prompt_seq, version, group_num_samples
+    return s
+
+
+def test_the_step_collector_owns_trainer_side_pacing():
+    """It publishes the allowances, drops stale samples and resolves prompts; the trainer only reports steps."""
+    items = [
+        _sample(30, prompt_seq=0, version=0),  # stale at trainer version 3 with max_staleness 2
+        PromptResolved(1, "zero_std"),
+        _sample(40, prompt_seq=2, version=2, group_num_samples=2),
+        _sample(50, prompt_seq=2, version=3, group_num_samples=2),
+        RolloutDone(num_prompts=3),
+    ]
+    rollout, tracker, window = _FakeRolloutQueue(items), PromptTracker(), MetricWindow()
+    planner = TokenBudgetPlanner(token_budget=100, num_ranks=2)
+    collector = StepCollector(rollout, planner, tracker, max_staleness=2, grad_accum=3, metrics=window)
+    assert rollout.allowances == [initial_allowance(2, token_budget=100, rows_per_step=6)] == [1200]
+    step = collector.collect(model_version=3)
+    assert step is not None and sorted(len(s) for s in step.samples) == [40, 50]
+    assert rollout.consumed == 120  # every pulled sample counts, the stale one too
+    assert tracker.state()["prompt_index"] == 2  # 0 (stale) and 1 (marker) resolved; 2 awaits its training
+    collector.step_trained(step)
+    assert tracker.state() == {"prompt_index": 3, "resolved_above": [], "trained_prompt_count": 3}
+    assert rollout.allowances[-1] == step_allowance(2, tokens_consumed_by_step=90) == 180
+    assert window.reduce()["sample/dropped_stale_count"] == 1
+    assert collector.exhausted

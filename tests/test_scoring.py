@@ -1,4 +1,4 @@
-"""Advantages and the group rules of reference section e, and reward-function handling."""
+"""Advantages and the group rules of reference section e (the GRPO scorer), and reward-function handling."""
 
 from __future__ import annotations
 
@@ -8,16 +8,20 @@ import math
 import numpy as np
 import pytest
 
-from asyncgrpo_cli.rollout.scoring import (
-    RewardError,
-    RewardFunction,
-    call_reward_funcs,
+from asyncgrpo_cli import registry
+from asyncgrpo_cli.errors import UserError
+from asyncgrpo_cli.metrics.reducer import MetricWindow
+from asyncgrpo_cli.rollout.rewards import RewardError, RewardFunction, call_reward_funcs, load_reward_funcs
+from asyncgrpo_cli.rollout.scorers import Scorer, ScorerContext
+from asyncgrpo_cli.rollout.scorers.grpo import (
+    ZERO_STD_RTOL,
+    GroupScorer,
     group_advantages,
     group_std,
     is_zero_signal,
-    load_reward_funcs,
     sum_sources,
 )
+from asyncgrpo_cli.rollout.types import RolloutGroup, TrainingSequence
 
 nan = math.nan
 
@@ -46,6 +50,30 @@ def test_zero_std_and_fewer_than_two_scored_are_dropped():
     assert is_zero_signal(np.array([2.0, nan, 2.0]))  # equal scored rewards
     assert not is_zero_signal(np.array([1.0, nan, 0.0]))
     np.testing.assert_array_equal(group_advantages(np.array([1.0, nan, nan])), [0.0, 0.0, 0.0])
+
+
+def test_groups_equal_up_to_rounding_have_zero_variance():
+    """Rule 4: std <= 1e-6 * max(1, max|r|) is zero variance; exact float equality is not required."""
+    fractional = 0.1 + 0.2 + 0.3  # 0.6000000000000001
+    assert fractional != 0.6
+    for rewards in (
+        [fractional, 0.6, 0.6],  # three completions scored by parts summing to 0.6, one scored 0.6 outright
+        [0.6, fractional, fractional, 0.6],
+        [1.0, 1.0 + 2e-9, 1.0, 1.0],  # gave advantages of +-1.7 with exact equality
+        [1000.0, 1000.0 + 1e-4, 1000.0],  # the tolerance follows the reward scale
+    ):
+        r = np.array(rewards)
+        assert is_zero_signal(r), rewards
+        np.testing.assert_array_equal(group_advantages(r), np.zeros(len(r)))
+    # Real differences, small or at a large scale, keep their signal.
+    for rewards in ([0.0, 1e-3], [0.6, 0.6, 0.6 + 1e-4], [1000.0, 1000.1], [nan, 0.1 + 0.2, 0.4]):
+        r = np.array(rewards)
+        assert not is_zero_signal(r), rewards
+        scored = r[~np.isnan(r)]
+        np.testing.assert_allclose(group_advantages(r)[~np.isnan(r)], (scored - scored.mean()) / scored.std())
+    # The boundary, as stated: at the tolerance the group is dropped, clearly above it kept.
+    assert is_zero_signal(np.array([0.0, 1.5 * ZERO_STD_RTOL]))  # std 0.75 * ZERO_STD_RTOL
+    assert not is_zero_signal(np.array([0.0, 4 * ZERO_STD_RTOL]))
 
 
 def test_none_excludes_a_source_and_all_none_is_nan():
@@ -158,3 +186,79 @@ def test_unpicklable_reward_is_rejected_with_a_fix():
 
     with pytest.raises(UserError, match="cannot be pickled"):
         load_reward_funcs(["closure_reward_for_test"])
+
+
+# --- the GRPO scorer on a hand-made group: stamping, drop reasons, metrics, the registry ------------------------
+def _seq(n: int) -> TrainingSequence:
+    return TrainingSequence(
+        input_ids=np.arange(n, dtype=np.int64),
+        train_mask=np.ones(n, dtype=bool),
+        sampler_logprobs=np.zeros(n, dtype=np.float32),
+    )
+
+
+def _group(rollout_rewards, seqs_per_rollout=1) -> RolloutGroup:
+    G = len(rollout_rewards)
+    return RolloutGroup(
+        prompts=[[{"role": "user", "content": "q"}]] * G,
+        reward_kwargs={},
+        completions=[[{"role": "assistant", "content": "a" * i}] for i in range(G)],
+        completions_ids=[[1] * (i + 1) for i in range(G)],
+        completions_sequences=[[_seq(4 + i) for _ in range(seqs_per_rollout)] for i in range(G)],
+        model_version=3,
+        group_id=11,
+        row_index=5,
+        rollout_rewards=list(rollout_rewards),
+        prompt_seq=42,
+    )
+
+
+def _scorer(funcs=()) -> tuple[GroupScorer, MetricWindow]:
+    window = MetricWindow()
+    rfs = [RewardFunction(f.__name__, f, asyncio.iscoroutinefunction(f)) for f in funcs]
+    return GroupScorer(ScorerContext(rfs, window, None, settings=None)), window
+
+
+def test_group_scorer_stamps_every_sample_and_records_the_reward_metrics():
+    scorer, window = _scorer([_len_reward])
+    group = _group([None, 1.0, None], seqs_per_rollout=2)  # rewards: 1, 2 + 1, 3
+    scored = asyncio.run(scorer.score(group))
+    assert scored.drop_reason is None and len(scored.samples) == 6
+    np.testing.assert_allclose(group.rewards, [1.0, 3.0, 3.0])
+    adv = group_advantages(group.rewards)
+    for k, s in enumerate(scored.samples):
+        i = k // 2
+        assert s.advantage == pytest.approx(adv[i]) and s.reward == group.rewards[i]
+        assert (s.group_id, s.prompt_seq, s.model_version, s.group_num_samples) == (11, 42, 3, 6)
+        assert s.reward_group_std == pytest.approx(group_std(group.rewards))
+        assert s.reward_func_group_std == {"_len_reward": pytest.approx(np.std([1.0, 2.0, 3.0]))}
+    out = window.reduce()
+    assert out["reward"] == pytest.approx(7 / 3) and out["rewards/_len_reward/mean"] == pytest.approx(2.0)
+    assert out["rollout/groups_scored_count"] == 1 and out["rollout/groups_dropped_count"] == 0
+    assert out["frac_reward_zero_std"] == 0.0 and "reward_dropped" not in out
+
+
+def test_group_scorer_drops_a_rounding_equal_group_and_uses_the_advantage_hook():
+    scorer, window = _scorer()
+    scored = asyncio.run(scorer.score(_group([0.1 + 0.2 + 0.3, 0.6, 0.6])))
+    assert scored.samples == [] and scored.drop_reason == "zero_std"
+    out = window.reduce()
+    assert out["rollout/groups_dropped_count"] == 1 and out["reward_dropped"] == pytest.approx(0.6)
+    # A loop's compute_advantages override decides the advantages (not the drop), and its shape is checked.
+    scored = asyncio.run(scorer.score(_group([0.0, 1.0]), lambda g: np.array([5.0, -5.0])))
+    assert [s.advantage for s in scored.samples] == [5.0, -5.0]
+    with pytest.raises(RuntimeError, match=r"compute_advantages returned shape \(3,\); expected \(2,\)"):
+        asyncio.run(scorer.score(_group([0.0, 1.0]), lambda g: np.zeros(3)))
+    # A kept group whose rollouts left no trained sample queues nothing either.
+    empty = _group([0.0, 1.0])
+    empty.completions_sequences = [[], []]
+    assert asyncio.run(scorer.score(empty)).drop_reason == "no_samples"
+
+
+def test_the_grpo_scorer_is_registered_and_conforms():
+    cls = registry.resolve("scorer", "grpo")
+    assert cls is GroupScorer and cls.name == "grpo"
+    assert isinstance(_scorer()[0], Scorer)
+    assert "grpo" in registry.names("scorer")
+    with pytest.raises(UserError, match=r"unknown scorer 'gpro'. Did you mean 'grpo'\?"):
+        registry.resolve("scorer", "gpro")

@@ -1,15 +1,18 @@
 """``AsyncRolloutLoop``: generates and scores rollouts inside the spawned rollout process. Default = GRPO.
 
+The loop generates; it neither decides when a group may start nor what a group is worth:
+
+- *admission* (``rollout/admission.py``) lets a group start while the server link is healthy, the in-flight
+  rollouts fit the adaptive cap and the trainer's token allowance permits; a server lost for longer than
+  ``server.timeout`` fails the process there;
+- *scoring* (``rollout/scorers/``, picked by ``scorer_name``, default ``grpo``) turns a finished group into
+  stamped samples or a drop.
+
 Per prompt: ``filter_prompt`` decides whether to generate; ``generate_one`` runs ``num_generations`` times
 (each calling ``generate_one_turn`` per sampling request); once the whole group has finished it waits on the
-score queue, is scored (sum of reward sources), ``compute_advantages`` runs, zero-signal groups are dropped and the
-rest become samples on the rollout queue. ``setup`` / ``close`` create and release resources on the loop's event
-loop (``close`` also runs on failure).
-
-A group starts only while (1) the token allowance permits (staleness), (2) the rollouts in flight stay within
-``min(adaptive cap, max_concurrent_rollouts)`` (``rollout.concurrency``: the cap follows the server's KV-cache
-load, polled from ``/metrics``), and (3) the server link is healthy: after a connection failure nothing starts
-until the server answers again, with the trained weights pushed again if it restarted (``rollout.resync``).
+score queue, the scorer scores it (calling ``compute_advantages``), and its samples go on the rollout queue, or a
+``PromptResolved`` marker when it yields none. ``setup`` / ``close`` create and release resources on the loop's
+event loop (``close`` also runs on failure).
 
 Subclass it and select it with ``rollout.loop=my_module:MyLoop``; ``rollout.loop_options`` reaches the hooks as
 ``self.options``. Subclasses must be importable at module level (the process is spawned).
@@ -28,24 +31,19 @@ from typing import Any
 
 import numpy as np
 
+from asyncgrpo_cli import registry
 from asyncgrpo_cli.config.schema import RolloutConfig, SamplingConfig
 from asyncgrpo_cli.data.sources import PromptOrder
 from asyncgrpo_cli.metrics.reducer import MetricWindow
-from asyncgrpo_cli.rollout.candidates import CandidateSets
+from asyncgrpo_cli.rollout.admission import Admission
 from asyncgrpo_cli.rollout.client import CompletionClient, SamplingParams
 from asyncgrpo_cli.rollout.concurrency import ConcurrencyController, MetricsPoller
+from asyncgrpo_cli.rollout.generation_metrics import record_completions, record_rollout, record_sampling_mask
 from asyncgrpo_cli.rollout.resync import ServerLink, ServerWatch
-from asyncgrpo_cli.rollout.scoring import (
-    RewardFunction,
-    call_reward_funcs,
-    group_advantages,
-    group_std,
-    is_zero_signal,
-    sum_sources,
-)
+from asyncgrpo_cli.rollout.rewards import RewardFunction
+from asyncgrpo_cli.rollout.scorers import ScoredGroup, ScorerContext
 from asyncgrpo_cli.rollout.sequences import rollout_to_sequences
 from asyncgrpo_cli.rollout.served_name import start_group
-from asyncgrpo_cli.rollout.staleness import AllowanceTracker
 from asyncgrpo_cli.rollout.types import PromptResolved, Rollout, RolloutDone, RolloutGroup, TurnRecord
 
 log = logging.getLogger(__name__)
@@ -87,6 +85,9 @@ class RolloutSettings:
 
 
 class AsyncRolloutLoop:
+    scorer_name: str = "grpo"
+    """The scorer (registry kind ``scorer``: a registered name or ``module:Class``); a subclass sets its own."""
+
     def __init__(
         self,
         settings: RolloutSettings,
@@ -104,13 +105,11 @@ class AsyncRolloutLoop:
         self.shared = shared
         self.eos_token_ids = _eos_ids(tokenizer)
         self.metrics = MetricWindow()
-        self.allowance = AllowanceTracker()
         self.order = PromptOrder(len(dataset), settings.data_seed, settings.shuffle)
         self._rng = random.Random((settings.sampling.seed + 1) * 7919 + settings.seed_offset)
         self._executor = ThreadPoolExecutor(
             max_workers=max(4, settings.rollout.max_concurrent_rollouts // 4), thread_name_prefix="rollout"
         )
-        self._in_flight = 0
         self._next_group_id = 0
         self._generated_tokens = 0
         self._last_report = time.monotonic()
@@ -123,6 +122,18 @@ class AsyncRolloutLoop:
             )
         link = getattr(shared, "server_link", None)
         self.link = ServerLink(link) if link is not None else ServerLink()
+        self.admission = Admission(
+            self.link,
+            self.concurrency,
+            shared,
+            self.metrics,
+            settings.sampling.num_generations,
+            settings.base_url,
+            settings.server_timeout,
+        )
+        self.allowance = self.admission.allowance
+        scorer_cls = registry.resolve("scorer", self.scorer_name)
+        self.scorer = scorer_cls(ScorerContext(reward_funcs, self.metrics, self._executor, settings))
         self.client: CompletionClient | None = None
         self._warned_no_mask = False
         self.score_queue: asyncio.Queue[RolloutGroup] | None = None
@@ -174,23 +185,13 @@ class AsyncRolloutLoop:
         return turn
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
-        """One advantage per rollout, in ``group.rewards`` order: group-normalized, 0 for unscored."""
-        return group_advantages(group.rewards)
+        """One advantage per rollout, in ``group.rewards`` order; by default the scorer's (GRPO:
+        group-normalized, 0 for unscored)."""
+        return self.scorer.advantages(group)
 
     def _record_sampling_mask(self, turn: TurnRecord) -> None:
-        """rollout/sampling_mask_* metrics of one turn (token-weighted over the window)."""
-        n = len(turn.output_ids)
-        sets = turn.output_sampling_mask
-        if not isinstance(sets, CandidateSets):
-            sets = CandidateSets.empty(n) if sets is None else CandidateSets.coerce(sets)
-        m, with_set = self.metrics, sets.num_with_set
-        m.add_rate("rollout/sampling_mask_frac", with_set, n)
-        m.add_rate("rollout/sampling_mask_overflow_frac", sets.num_overflow, n)
-        m.add_rate("rollout/sampling_mask_invalid_frac", sets.num_invalid, n)
-        if with_set:
-            m.add_rate("rollout/sampling_mask_size_mean", sets.ids.shape[0], with_set)
-            m.add("rollout/sampling_mask_size_max", int(sets.sizes.max()))
-        if turn.output_sampling_mask is None and n and not self._warned_no_mask:
+        record_sampling_mask(self.metrics, turn)
+        if turn.output_sampling_mask is None and turn.output_ids and not self._warned_no_mask:
             self._warned_no_mask = True
             log.warning(
                 "%s answered without sampling masks although sampling.top_k/top_p/min_p truncate: these "
@@ -228,17 +229,17 @@ class AsyncRolloutLoop:
         watch = ServerWatch(self.link, self.settings.base_url)
         hb = asyncio.create_task(self._heartbeat())
         watcher = asyncio.create_task(watch.run())
-        scorer: asyncio.Task | None = None
+        score_task: asyncio.Task | None = None
         try:
             await poller.start()
             await self.setup()
-            scorer = asyncio.create_task(self._score_loop())
-            num = await self._generate_loop(scorer)
-            await self._join_scorer(scorer)
+            score_task = asyncio.create_task(self._score_loop())
+            num = await self._generate_loop(score_task)
+            await self._join_scorer(score_task)
             if not self._stopping():
                 self.shared.rollout_buffer.put(RolloutDone(num_prompts=num))
         finally:
-            for task in (scorer, hb, watcher):
+            for task in (score_task, hb, watcher):
                 if task is not None:
                     task.cancel()
             self._report(force=True)
@@ -274,11 +275,8 @@ class AsyncRolloutLoop:
         groups: set[asyncio.Task] = set()
         consumed = 0
         accepted_in_epoch: dict[int, int] = {}
-        G = self.settings.sampling.num_generations
         pending = None
         stream = self._prompt_stream()
-        held_since: float | None = None
-        server_held_since: float | None = None
         while not self._stopping():
             if scorer.done():
                 scorer.result()  # re-raise a scoring failure here
@@ -296,32 +294,15 @@ class AsyncRolloutLoop:
                     pending = None
                     continue
                 accepted_in_epoch[epoch] = accepted_in_epoch.get(epoch, 0) + 1
-            server_ok = self.link.healthy
-            if server_ok and server_held_since is not None:
-                self.metrics.add("rollout/server_wait_s", time.monotonic() - server_held_since)
-                server_held_since = None
-            elif not server_ok and server_held_since is None:
-                server_held_since = time.monotonic()
-            slots_ok = self._in_flight == 0 or self._in_flight + G <= self.concurrency.cap
-            allowed = self.allowance.can_start(
-                self.shared.token_allowance.value, self.shared.consumed_tokens.value, G
-            )
-            if server_ok and slots_ok and allowed:
-                if held_since is not None:
-                    self.metrics.add("rollout/backpressure_s", time.monotonic() - held_since)
-                    held_since = None
+            if self.admission.may_start():
                 seq, epoch, idx = pending
                 group_id = self._next_group_id
                 self._next_group_id += 1
-                # Account for the group before its task first runs, so the next admission check sees it.
-                self.allowance.start(group_id, G)
-                self._in_flight += G
+                self.admission.start(group_id)
                 groups.add(asyncio.create_task(self._run_group(group_id, seq, epoch, idx, self.dataset[idx])))
                 consumed += 1
                 pending = None
                 continue
-            if server_ok and slots_ok and not allowed and held_since is None:
-                held_since = time.monotonic()
             done, groups = await _wait_some(groups, timeout=0.05)
             for task in done:
                 task.result()
@@ -356,18 +337,12 @@ class AsyncRolloutLoop:
         try:
             rollouts = await asyncio.gather(*(self._timed_rollout(prompt, group_id) for _ in range(G)))
         finally:
-            self._in_flight -= G
+            self.admission.generated()
         seqs = []
         for r in rollouts:
             samples, stats = rollout_to_sequences(r, self.settings.num_topk)
             seqs.append(samples)
-            self.metrics.add("rollout/turns_mean", len(r.turns))
-            self.metrics.add("rollout/turns_max", len(r.turns))
-            self.metrics.add("rollout/samples_per_rollout", len(samples))
-            for d in stats.drift_tokens:
-                self.metrics.add("rollout/fork_frac", float(d > 0))
-                self.metrics.add("rollout/drift_tokens_mean", d)
-                self.metrics.add("rollout/drift_tokens_max", d)
+            record_rollout(self.metrics, r, len(samples), stats.drift_tokens)
         extra = {k: [v] * G for k, v in row.items() if k != "prompt"}
         group = RolloutGroup(
             prompts=[prompt] * G,
@@ -375,12 +350,9 @@ class AsyncRolloutLoop:
             completions=[r.completion for r in rollouts],
             completions_ids=[r.completion_ids for r in rollouts],
             completions_sequences=seqs,
-            tool_call_counts=[r.tool_call_count for r in rollouts],
-            tool_failure_counts=[r.tool_failure_count for r in rollouts],
             model_version=version,
             group_id=group_id,
             row_index=row_index,
-            env_rewards=[None] * G,
             rollout_rewards=[r.reward for r in rollouts],
             prompt_seq=seq,
             epoch=epoch,
@@ -399,7 +371,7 @@ class AsyncRolloutLoop:
         return rollout
 
     async def _join_scorer(self, scorer: asyncio.Task) -> None:
-        while not self.score_queue.empty() or self.allowance.in_flight_groups:
+        while not self.score_queue.empty() or self.admission.allowance.in_flight_groups:
             if scorer.done():
                 scorer.result()
                 return
@@ -417,83 +389,20 @@ class AsyncRolloutLoop:
 
     async def _score_group(self, group: RolloutGroup) -> None:
         self.metrics.add("rollout/score_wait_s", time.monotonic() - group.queued_at)
-        t0 = time.monotonic()
-        G = len(group.completions)
-        kwargs = {
-            "prompts": group.prompts,
-            "completions": group.completions,
-            "completion_ids": group.completions_ids,
-            **group.reward_kwargs,
-        }
-        per_func = await call_reward_funcs(self.reward_funcs, kwargs, G, group.row_index, self._executor)
-        rollout_src = np.array([np.nan if r is None else float(r) for r in group.rollout_rewards])[None, :]
-        group.rewards = sum_sources(np.concatenate([per_func, rollout_src], axis=0))
-        advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
-        if advantages.shape != (G,):
-            raise RuntimeError(f"compute_advantages returned shape {advantages.shape}; expected ({G},)")
-        dropped = is_zero_signal(group.rewards)
-        self.metrics.add("rollout/score_s", time.monotonic() - t0)
-        self._record_group_metrics(group, per_func, dropped)
-        tokens = 0
-        if not dropped:
-            tokens = self._enqueue_samples(group, advantages, per_func)
-        if tokens == 0:
-            self.shared.rollout_buffer.put(
-                PromptResolved(group.prompt_seq, "zero_std" if dropped else "no_samples")
-            )
-        rollout_tokens = [sum(len(s) for s in seqs) for seqs in group.completions_sequences]
-        self.allowance.finish(group.group_id, rollout_tokens, tokens)
-        self._report(force=True)  # the group's metrics reach the trainer with (not after) its samples
-
-    def _enqueue_samples(self, group: RolloutGroup, advantages: np.ndarray, per_func: np.ndarray) -> int:
-        std = group_std(group.rewards)
-        func_std = {rf.name: group_std(per_func[i]) for i, rf in enumerate(self.reward_funcs)}
-        samples = []
-        for i, seqs in enumerate(group.completions_sequences):
-            for s in seqs:
-                s.advantage = float(advantages[i])
-                s.group_id = group.group_id
-                s.prompt_seq = group.prompt_seq
-                s.model_version = group.model_version
-                s.reward = float(group.rewards[i])
-                s.reward_group_std = std
-                s.reward_func_group_std = func_std
-                samples.append(s)
+        scored: ScoredGroup = await self.scorer.score(group, self.compute_advantages)
+        record_completions(self.metrics, group)
         now = time.time()
-        for s in samples:
-            s.group_num_samples = len(samples)
+        for s in scored.samples:
             s.enqueued_at = now
             self.shared.rollout_buffer.put(s)
-        return sum(len(s) for s in samples)
-
-    def _record_group_metrics(self, group: RolloutGroup, per_func: np.ndarray, dropped: bool) -> None:
-        m = self.metrics
-        rewards = group.rewards
-        scored = rewards[~np.isnan(rewards)]
-        m.extend("reward", scored)
-        for i, rf in enumerate(self.reward_funcs):
-            vals = per_func[i][~np.isnan(per_func[i])]
-            m.extend(f"rewards/{rf.name}/mean", vals)
-        m.add("frac_reward_zero_std", float(dropped))
-        m.add("rollout/groups_scored_count", 1)
-        m.add("rollout/groups_dropped_count", float(dropped))
-        if dropped and scored.size:
-            m.add("reward_dropped", float(scored.mean()))
-        seen: set[tuple[int, ...]] = set()
-        for r in group.rollouts:
-            key = tuple(t for turn in r.turns for t in (*turn.prompt_ids, -1, *turn.output_ids))
-            m.add("completions/duplicate_frac", float(key in seen))
-            seen.add(key)
-            n = len(r.completion_ids)
-            m.add("completions/mean_length", n)
-            m.add("completions/min_length", n)
-            m.add("completions/max_length", n)
-            terminated = bool(r.turns) and r.turns[-1].finish_reason == "stop"
-            m.add("completions/clipped_ratio", float(not terminated))
-            if terminated:
-                m.add("completions/mean_terminated_length", n)
-                m.add("completions/min_terminated_length", n)
-                m.add("completions/max_terminated_length", n)
+        tokens = sum(len(s) for s in scored.samples)
+        if tokens == 0:
+            self.shared.rollout_buffer.put(
+                PromptResolved(group.prompt_seq, scored.drop_reason or "no_samples")
+            )
+        rollout_tokens = [sum(len(s) for s in seqs) for seqs in group.completions_sequences]
+        self.admission.finish(group.group_id, rollout_tokens, tokens)
+        self._report(force=True)  # the group's metrics reach the trainer with (not after) its samples
 
     def _report(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -504,7 +413,7 @@ class AsyncRolloutLoop:
         m = self.metrics
         m.add_rate("rollout/generated_tokens_per_s", self._generated_tokens, elapsed)
         self._generated_tokens = 0
-        m.set_gauge("rollout/concurrency", self._in_flight)
+        m.set_gauge("rollout/concurrency", self.admission.in_flight)
         m.set_gauge("rollout/concurrency_cap", self.concurrency.cap)
         if self.score_queue is not None:
             m.set_gauge("rollout/score_queue_size", self.score_queue.qsize())

@@ -86,7 +86,7 @@ def _child_main(spec: RolloutSpec, shared: SharedState) -> None:
 
     try:
         from asyncgrpo_cli import registry
-        from asyncgrpo_cli.rollout.scoring import load_reward_funcs
+        from asyncgrpo_cli.rollout.rewards import load_reward_funcs
 
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         from transformers import AutoTokenizer

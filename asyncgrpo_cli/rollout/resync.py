@@ -18,7 +18,9 @@ them). ``LOST`` -> ``OK`` when ``/health`` answers and ``GET /weight_info`` stil
 pushed (a network blip: the weights survived). ``LOST`` -> ``RESYNC`` when it reports ``"default"`` (what a
 freshly started vLLM or embedded server says) or the route is missing. ``RESYNC`` -> ``OK`` by the trainer after a
 push, only if no new loss happened meanwhile (the ``losses`` token), so a second crash during the push is never
-cleared by mistake. Every wait is bounded by the client's retry budget (``server.timeout``).
+cleared by mistake. Every wait is bounded by ``server.timeout``: a request's by the client's retry budget, and
+an idle loop's (no request in flight: a trainer push found the loss) by admission (``rollout/admission.py``), which
+fails the rollout process once the link has not been OK for that long.
 """
 
 from __future__ import annotations

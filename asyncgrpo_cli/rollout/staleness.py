@@ -1,14 +1,16 @@
 """Staleness control: the token allowance that paces generation, and the drop rule applied at consume time.
 
-Generation is held to ``max(max_staleness, 1)`` optimizer steps of tokens: the trainer publishes
+Generation is held to ``max(max_staleness, 1)`` optimizer steps of tokens: the trainer's step collector
+(``train/batching.py``, the one owner of trainer-side pacing) publishes
 ``allowance = max(max_staleness, 1) * tokens consumed by the last step`` (before the first step it assumes every
 row is full: ``token_budget * rows per step``), and the rollout process starts a new group only while the tokens
 queued or in flight, plus the new group's expected tokens, stay within it (a group may always start when nothing
-is outstanding, so a group larger than the allowance cannot stall generation). Tokens are counted as sample tokens (prompt + completion) on both sides. Until
-the first group completes, the expected size of a group is unknown, so groups start one at a time.
+is outstanding, so a group larger than the allowance cannot stall generation). Tokens are counted as sample
+tokens (prompt + completion) on both sides. Until the first group completes, the expected size of a group is
+unknown, so groups start one at a time.
 
 Independently, a sample whose policy version lags the trainer's by more than ``max_staleness`` weight updates is
-dropped when the trainer pulls it.
+dropped when the step collector pulls it. The rollout side of the allowance is ``rollout/admission.py``.
 """
 
 from __future__ import annotations

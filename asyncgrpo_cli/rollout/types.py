@@ -50,8 +50,6 @@ class Rollout:
     completion: list[dict[str, str]]
     completion_ids: list[int]
     turns: list[TurnRecord]
-    tool_call_count: int = 0
-    tool_failure_count: int = 0
     reward: float | None = None
     rollout_id: str = field(default_factory=_new_id)
 
@@ -104,12 +102,9 @@ class RolloutGroup:
     completions: list[list[dict[str, str]]]
     completions_ids: list[list[int]]
     completions_sequences: list[list[TrainingSequence]]
-    tool_call_counts: list[int]
-    tool_failure_counts: list[int]
     model_version: int
     group_id: int
     row_index: int
-    env_rewards: list[tuple[type, float] | None]
     rollout_rewards: list[float | None]
     queued_at: float = 0.0
     rewards: np.ndarray | None = None

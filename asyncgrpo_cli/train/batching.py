@@ -1,8 +1,15 @@
-"""Pulling one optimizer step's micro-batches off the rollout queue.
+"""Pulling one optimizer step's micro-batches off the rollout queue: the trainer side of pacing, in one place.
 
-Samples older than ``max_staleness`` weight updates are dropped here (consume time); the rest go through the
-token-budget planner, which emits micro-batches (one row per rank). Markers from the rollout process resolve
-prompts that produced no sample, and ``RolloutDone`` ends an epoch-based run: the open rows are flushed.
+The collector owns everything ``rollout.max_staleness`` decides on this side (``rollout/staleness.py``):
+
+- it publishes the token allowance that paces generation: ``initial_allowance`` when it is built (every row of a
+  step full), then ``step_allowance`` of the tokens each trained step consumed (``step_trained``);
+- it drops samples older than ``max_staleness`` weight updates when it pulls them (consume time);
+- it resolves prompts for resume: a prompt is done when all its samples were trained or dropped, or when the
+  rollout process marks it resolved (no sample: zero-std group, filtered).
+
+The rest go through the token-budget planner, which emits micro-batches (one row per rank). ``RolloutDone`` ends an
+epoch-based run: the open rows are flushed.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from typing import Any
 
 from asyncgrpo_cli.metrics.reducer import MetricWindow
 from asyncgrpo_cli.packing.planner import MicroBatch, TokenBudgetPlanner
-from asyncgrpo_cli.rollout.staleness import is_stale
+from asyncgrpo_cli.rollout.staleness import initial_allowance, is_stale, step_allowance
 from asyncgrpo_cli.rollout.types import PromptResolved, RolloutDone, TrainingSequence
 from asyncgrpo_cli.train.progress import PromptTracker
 
@@ -32,6 +39,9 @@ class StepBatch:
 
 
 class StepCollector:
+    """Rank 0's pull side of the rollout queue. ``rollout`` is the ``RolloutProcess`` handle (``get``,
+    ``add_consumed``, ``set_allowance``); the planner's ``token_budget`` and ``num_ranks`` size the first allowance."""
+
     def __init__(
         self,
         rollout: Any,
@@ -51,6 +61,15 @@ class StepCollector:
         self.should_stop = should_stop or (lambda: False)
         self.rollout_done = False
         self._carry: list[MicroBatch] = []
+        rows_per_step = grad_accum * planner.num_ranks
+        rollout.set_allowance(initial_allowance(max_staleness, planner.token_budget, rows_per_step))
+
+    def step_trained(self, step: StepBatch) -> None:
+        """A step was trained: resolve its samples' prompts and publish the allowance for the next step."""
+        for s in step.samples:
+            self.tracker.on_sample_done(s.prompt_seq, s.group_num_samples)
+        consumed = sum(len(s) for s in step.samples)
+        self.rollout.set_allowance(step_allowance(self.max_staleness, consumed))
 
     @property
     def exhausted(self) -> bool:

@@ -20,7 +20,6 @@ import torch
 from asyncgrpo_cli.config.schema import RootConfig
 from asyncgrpo_cli.metrics.reducer import MetricWindow
 from asyncgrpo_cli.rollout.resync import server_unreachable
-from asyncgrpo_cli.rollout.staleness import initial_allowance, step_allowance
 from asyncgrpo_cli.train.batching import StepBatch, StepCollector
 from asyncgrpo_cli.train.checkpoint import TrainerState, save_checkpoint
 from asyncgrpo_cli.train.distributed import DistInfo, RankStep, reduce_raw_metrics, scatter_step
@@ -71,10 +70,6 @@ class Trainer:
     def train(self) -> TrainerState:
         cfg, p = self.cfg, self.p
         if self.info.is_main:
-            rows_per_step = cfg.trainer.gradient_accumulation_steps * self.info.world_size
-            p.rollout.set_allowance(
-                initial_allowance(cfg.rollout.max_staleness, p.token_budget, rows_per_step)
-            )
             p.metrics_logger.update_progress(p.state.step, p.tracker.consumed_count)
             p.rollout.on_idle = self.resync_weights_if_needed  # also while waiting for samples
         while True:
@@ -133,10 +128,7 @@ class Trainer:
         forwarded, unpacked = int(totals[1]), int(totals[2])
         p.state.num_tokens += forwarded
         if self.info.is_main:
-            for s in step.samples:
-                p.tracker.on_sample_done(s.prompt_seq, s.group_num_samples)
-            consumed = sum(len(s) for s in step.samples)
-            p.rollout.set_allowance(step_allowance(self.cfg.rollout.max_staleness, consumed))
+            p.collector.step_trained(step)  # resolves the step's prompts, publishes the next allowance
         if p.state.step % self.cfg.rollout.weight_sync_steps == 0:
             self._sync_weights_or_defer()
         if not self.info.is_main:

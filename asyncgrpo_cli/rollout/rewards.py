@@ -1,14 +1,8 @@
-"""Scoring a finished group: reward functions, the None / NaN rules, group advantages and the drop rule.
+"""Reward functions in the rollout process: resolving ``rewards.funcs`` entries, and calling them on a group.
 
-Rules (reference section e):
-- a completion's reward is the sum, with weight 1, of every source that scored it: each reward function, the
-  environment's ``get_reward``, and ``Rollout.reward``; a source returning ``None`` is left out of that sum;
-- a completion no source scored is *unscored* (NaN): it is excluded from the group mean and std and gets
-  advantage 0;
-- advantage = (r - mean) / std over the scored completions (population std, no epsilon: a kept group has
-  std > 0);
-- a group whose scored rewards are all equal, or that has fewer than two scored completions, is dropped; the
-  decision looks at rewards, not at the advantages ``compute_advantages`` returns.
+``call_reward_funcs`` returns one row per function and one column per completion, NaN where a function returned
+``None`` (it did not score that completion). How the rows become rewards and advantages is the scorer's rule
+(``rollout/scorers/``).
 """
 
 from __future__ import annotations
@@ -123,41 +117,3 @@ async def call_reward_funcs(
             )
         out[i] = [_to_float(v, rf.name, row_index, j) for j, v in enumerate(res)]
     return out
-
-
-def sum_sources(sources: np.ndarray) -> np.ndarray:
-    """Sum reward sources per completion; NaN entries are skipped; all-NaN columns stay NaN (unscored)."""
-    if sources.size == 0:
-        return np.full(sources.shape[1] if sources.ndim == 2 else 0, np.nan)
-    scored_any = ~np.isnan(sources).all(axis=0)
-    total = np.nansum(sources, axis=0)
-    total[~scored_any] = np.nan
-    return total
-
-
-def group_advantages(rewards: np.ndarray) -> np.ndarray:
-    """(r - mean) / std over scored completions; unscored (NaN) completions get 0."""
-    rewards = np.asarray(rewards, dtype=np.float64)
-    adv = np.zeros_like(rewards)
-    scored = ~np.isnan(rewards)
-    if scored.sum() < 2:
-        return adv
-    r = rewards[scored]
-    std = r.std()
-    if std > 0:
-        adv[scored] = (r - r.mean()) / std
-    return adv
-
-
-def group_std(rewards: np.ndarray) -> float:
-    """Population std of the scored rewards (NaN when fewer than one is scored)."""
-    r = np.asarray(rewards, dtype=np.float64)
-    r = r[~np.isnan(r)]
-    return float(r.std()) if r.size else math.nan
-
-
-def is_zero_signal(rewards: np.ndarray) -> bool:
-    """True when the group must be dropped: fewer than two scored completions, or all scored rewards equal."""
-    r = np.asarray(rewards, dtype=np.float64)
-    r = r[~np.isnan(r)]
-    return r.size < 2 or bool(np.all(r == r[0]))

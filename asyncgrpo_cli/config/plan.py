@@ -7,9 +7,9 @@ import math
 import os
 from typing import Any
 
+from asyncgrpo_cli.config import lora as lora_policy
 from asyncgrpo_cli.config import schema
 from asyncgrpo_cli.config.schema import RootConfig
-from asyncgrpo_cli.sync import lora_policy
 
 
 def plan_lines(cfg: RootConfig) -> list[tuple[str, str]]:

@@ -18,6 +18,10 @@ def F(default: Any = None, help: str = "", *, factory: Any = None) -> Any:  # no
     return field(default=default, metadata={"help": help})
 
 
+ATTN_CHOICES = ("auto", "sdpa", "eager", "flex_attention")
+"""Values of ``model.attn_implementation`` (``model/flex.py`` maps them to transformers' implementations)."""
+
+
 @dataclass
 class LoraConfig:
     enabled: bool = F(

@@ -213,18 +213,13 @@ def _check(args: list[str]) -> None:
 
 def _probe(cfg) -> None:
     """Check the external server against the run's needs (``server/probe.py``); raises UserError with the fix."""
+    from asyncgrpo_cli.server.backends import backend_class
     from asyncgrpo_cli.server.control import ServerControl
     from asyncgrpo_cli.server.probe import probe_server
 
-    if cfg.server.backend == "embedded":
-        print("--probe-server: the embedded server is started by train; nothing to probe")
-        return
-    if cfg.server.backend == "vllm_launch":
-        from asyncgrpo_cli.server.vllm_launch import preview_command
-
-        print(
-            f"--probe-server: train starts vLLM and probes it once up; the command:\n  {preview_command(cfg)}"
-        )
+    preview = backend_class(cfg.server).probe_preview(cfg)  # a server that train starts: nothing runs yet
+    if preview is not None:
+        print(preview)
         return
     control = ServerControl(cfg.server.base_url, cfg.server.timeout)
     try:

@@ -220,8 +220,20 @@ def names(kind: str) -> list[str]:
     return [s.name for s in specs(kind)]
 
 
+BUILTIN_PREFIX = "builtin:"
+"""``model.name_or_path=builtin:NAME`` names the registered ``model`` plugin NAME (``model/resolve.py`` builds it)."""
+
+
+def is_builtin(name_or_path: str) -> bool:
+    return name_or_path.startswith(BUILTIN_PREFIX)
+
+
+def builtin_name(name_or_path: str) -> str:
+    return name_or_path[len(BUILTIN_PREFIX) :]
+
+
 def is_import_path(name: str) -> bool:
-    return ":" in name and not name.startswith(("builtin:", "http:", "https:"))
+    return ":" in name and not name.startswith((BUILTIN_PREFIX, "http:", "https:"))
 
 
 def _import_target(target: str, *, kind: str, where: str) -> Any:

@@ -450,7 +450,7 @@ def test_config_names_the_keys_nccl_needs():
             "server.nccl.buffer_size_bytes=1048576",
         ]
     )
-    sync = NcclWeightSync.from_run(cfg, None, Path("unused"), None)
+    sync = NcclWeightSync.build(cfg, None, Path("unused"), None)
     assert sync.wire == WireParams(True, 1 << 20, 2) and sync.cfg.timeout == 600.0
 
 

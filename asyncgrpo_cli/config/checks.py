@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from asyncgrpo_cli.config import lora as lora_policy
 from asyncgrpo_cli.config.choices import choice_errors
 from asyncgrpo_cli.config.schema import (
     DataConfig,
@@ -25,7 +26,6 @@ from asyncgrpo_cli.config.schema import (
     ServerConfig,
     TrainerConfig,
 )
-from asyncgrpo_cli.sync import lora_policy
 
 
 # -- one check per group ------------------------------------------------------------------------------------------

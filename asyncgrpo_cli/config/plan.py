@@ -7,22 +7,17 @@ import math
 import os
 from typing import Any
 
+from asyncgrpo_cli import registry
+from asyncgrpo_cli.config import lora as lora_policy
 from asyncgrpo_cli.config import schema
 from asyncgrpo_cli.config.choices import field_choices
 from asyncgrpo_cli.config.schema import RootConfig
-from asyncgrpo_cli.sync import lora_policy
 
 
 def plan_lines(cfg: RootConfig) -> list[tuple[str, str]]:
     s, tr, ro, sv = cfg.sampling, cfg.trainer, cfg.rollout, cfg.server
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if sv.backend == "embedded":
-        emb = sv.embedded
-        where = f"embedded server started by train on {emb.host}:{emb.port or '<free port>'}"
-        mml = emb.max_model_len
-    else:
-        where = f"{sv.backend} server at {sv.base_url} (must be running; timeout {sv.startup_timeout:g}s)"
-        mml = None
+    where, mml = registry.resolve("server", sv.backend).plan(sv)  # protocols.ServerBackend.plan
     budget = (
         str(cfg.packing.token_budget)
         if cfg.packing.token_budget

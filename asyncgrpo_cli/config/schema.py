@@ -22,6 +22,7 @@ from asyncgrpo_cli.config.choices import (
     ServeDtype,
     SinkName,
     TrainDevice,
+    choice_of,
 )
 
 
@@ -30,6 +31,10 @@ def F(default: Any = None, help: str = "", *, factory: Any = None) -> Any:  # no
     if factory is not None:
         return field(default_factory=factory, metadata={"help": help})
     return field(default=default, metadata={"help": help})
+
+
+ATTN_CHOICES: tuple[str, ...] = choice_of(AttnImplementation).values  # type: ignore[union-attr]
+"""Values of ``model.attn_implementation`` (``model/flex.py`` maps them to transformers' implementations)."""
 
 
 @dataclass

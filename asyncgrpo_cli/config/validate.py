@@ -13,10 +13,10 @@ import typing
 from typing import Any, get_args, get_origin, get_type_hints
 
 from asyncgrpo_cli import registry
+from asyncgrpo_cli.config import lora as lora_policy
 from asyncgrpo_cli.config.checks import value_errors
 from asyncgrpo_cli.config.schema import RootConfig
 from asyncgrpo_cli.errors import ConfigError
-from asyncgrpo_cli.sync import lora_policy
 
 _MISSING = object()
 
@@ -137,10 +137,8 @@ def _plugin_errors(cfg: RootConfig) -> list[str]:
             )
         else:
             checks.append(("reward", name))
-    from asyncgrpo_cli.model.resolve import builtin_name, is_builtin
-
-    if is_builtin(cfg.model.name_or_path):
-        checks.append(("model", builtin_name(cfg.model.name_or_path)))
+    if registry.is_builtin(cfg.model.name_or_path):
+        checks.append(("model", registry.builtin_name(cfg.model.name_or_path)))
     for kind, name in checks:
         msg = registry.check(kind, name)
         if msg:

@@ -26,8 +26,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-ATTN_CHOICES = ("auto", "sdpa", "eager", "flex_attention")
-"""Values of ``model.attn_implementation``."""
+from asyncgrpo_cli.config.schema import ATTN_CHOICES
+
 FLEX_IMPL = "asyncgrpo_flex"
 """The transformers ``attn_implementation`` key :func:`flex_attention_forward` is registered under."""
 FLEX_IMPLS = (FLEX_IMPL, "flex_attention")

@@ -10,18 +10,10 @@ from pathlib import Path
 
 from asyncgrpo_cli import registry
 from asyncgrpo_cli.paths import cache_dir
+from asyncgrpo_cli.registry import builtin_name, is_builtin
 
-BUILTIN_PREFIX = "builtin:"
 # Bump when a builder's output changes, so stale caches are rebuilt.
 _BUILD_VERSION = "1"
-
-
-def is_builtin(name_or_path: str) -> bool:
-    return name_or_path.startswith(BUILTIN_PREFIX)
-
-
-def builtin_name(name_or_path: str) -> str:
-    return name_or_path[len(BUILTIN_PREFIX) :]
 
 
 def builtin_dir(name: str) -> Path:

@@ -4,27 +4,48 @@
 - ``vllm``: an external vLLM server at ``server.base_url`` (started by the user; see the README).
 
 A backend's ``start()`` returns once the server answers ``/health`` and lists its model; ``stop()`` is idempotent.
+The contract is ``protocols.ServerBackend``; ``BaseServerBackend`` holds its defaults (those of an external server).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from asyncgrpo_cli.config.schema import ServerConfig
+from asyncgrpo_cli import registry
+from asyncgrpo_cli.config.schema import RootConfig, ServerConfig
 from asyncgrpo_cli.errors import UserError
+from asyncgrpo_cli.protocols import ServerBackend
 from asyncgrpo_cli.server.control import ServerControl, ServerInfo
 
 
-class ServerBackend:
+class BaseServerBackend(ServerBackend):
+    """The defaults of ``protocols.ServerBackend``: a server that runs already, at ``server.base_url``."""
+
+    passes_vllm_flags = False
     base_url: str
     info: ServerInfo
-    control: ServerControl
+    control: ServerControl | None = None
 
     def start(self) -> ServerInfo:
         raise NotImplementedError
 
     def stop(self) -> None:
         raise NotImplementedError
+
+    @classmethod
+    def plan(cls, cfg: ServerConfig) -> tuple[str, int | None]:
+        return (
+            f"{cfg.backend} server at {cfg.base_url} (must be running; timeout {cfg.startup_timeout:g}s)",
+            None,
+        )
+
+    @classmethod
+    def probe_preview(cls, cfg: RootConfig) -> str | None:
+        return None
+
+    @classmethod
+    def max_model_len_fix(cls, need_len: int, completion: int) -> str:
+        return f"or lower sampling.max_completion_length={completion}"
 
     def _connect(self, cfg: ServerConfig) -> ServerInfo:
         self.control = ServerControl(self.base_url, cfg.timeout)
@@ -33,7 +54,7 @@ class ServerBackend:
         return self.info
 
 
-class ExternalBackend(ServerBackend):
+class ExternalBackend(BaseServerBackend):
     def __init__(self, cfg: ServerConfig, model_path: str, served_model_name: str | None, run_dir: Path):
         self.cfg = cfg
         self.base_url = cfg.base_url.rstrip("/")
@@ -44,11 +65,13 @@ class ExternalBackend(ServerBackend):
         return self._connect(self.cfg)
 
     def stop(self) -> None:
-        if getattr(self, "control", None) is not None:
+        if self.control is not None:
             self.control.close()
 
 
-class EmbeddedBackend(ServerBackend):
+class EmbeddedBackend(BaseServerBackend):
+    """The embedded server, configured under ``server.embedded``."""
+
     def __init__(self, cfg: ServerConfig, model_path: str, served_model_name: str | None, run_dir: Path):
         from asyncgrpo_cli.server.launch import EmbeddedServerProcess
 
@@ -61,12 +84,35 @@ class EmbeddedBackend(ServerBackend):
             startup_timeout=cfg.startup_timeout,
         )
 
+    @classmethod
+    def plan(cls, cfg: ServerConfig) -> tuple[str, int | None]:
+        emb = cfg.embedded
+        return (
+            f"embedded server started by train on {emb.host}:{emb.port or '<free port>'}",
+            emb.max_model_len,
+        )
+
+    @classmethod
+    def probe_preview(cls, cfg: RootConfig) -> str | None:
+        return "--probe-server: the embedded server is started by train; nothing to probe"
+
+    @classmethod
+    def max_model_len_fix(cls, need_len: int, completion: int) -> str:
+        return (
+            f"server.embedded.max_model_len={need_len} (or lower sampling.max_completion_length={completion})"
+        )
+
     def start(self) -> ServerInfo:
         self.process.start()
         self.base_url = self.process.base_url
         return self._connect(self.cfg)
 
     def stop(self) -> None:
-        if getattr(self, "control", None) is not None:
+        if self.control is not None:
             self.control.close()
         self.process.stop()
+
+
+def backend_class(cfg: ServerConfig) -> type[ServerBackend]:
+    """The class of ``server.backend`` (a registered name or a ``module:object`` path); builds nothing."""
+    return registry.resolve("server", cfg.backend)

@@ -6,6 +6,7 @@ The adapter policy itself (names, kept versions, servable ranks) is ``sync/lora_
 from __future__ import annotations
 
 from asyncgrpo_cli.config.schema import RootConfig
+from asyncgrpo_cli.server.backends import backend_class
 from asyncgrpo_cli.server.report import Problem, ServerReport
 from asyncgrpo_cli.sync.lora_policy import kept_versions, served_rank
 
@@ -19,7 +20,7 @@ def lora_problems(report: ServerReport, cfg: RootConfig) -> list[Problem]:
     sv = cfg.server
     if sv.weight_sync != "lora" or not cfg.model.lora.enabled:
         return []
-    launch_fix = sv.backend == "vllm_launch"
+    launch_fix = backend_class(sv).passes_vllm_flags
     keep = kept_versions(cfg.rollout.max_staleness)
     rank = served_rank(cfg.model.lora.r)
     out = []

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 
 from asyncgrpo_cli.config.schema import RootConfig
+from asyncgrpo_cli.server.backends import backend_class
 from asyncgrpo_cli.server.report import Problem, ServerReport
 from asyncgrpo_cli.server.vllm_launch import SAMPLING_MASK_FLAGS
 
@@ -46,7 +47,7 @@ def mask_gaps(report: ServerReport, cfg: RootConfig) -> list[Problem]:
         ]
     launch_fix = (
         f"server.vllm_launch.extra_args=[{MASK_FLAG},{SCALE_OUT_FLAG}]"
-        if cfg.server.backend == "vllm_launch"
+        if backend_class(cfg.server).passes_vllm_flags
         else None
     )
     gaps = []

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from asyncgrpo_cli.config.schema import RootConfig, VllmLaunchConfig
 from asyncgrpo_cli.errors import UserError
+from asyncgrpo_cli.server.backends import backend_class
 from asyncgrpo_cli.server.control import ServerControl
 from asyncgrpo_cli.server.lora_support import lora_problems
 from asyncgrpo_cli.server.mask_support import mask_problems, suggest_mask_flags
@@ -31,7 +32,8 @@ PROCESSED = "processed_logprobs"
 def find_problems(report: ServerReport, cfg: RootConfig, prompt_tokens: int | None = None) -> list[Problem]:
     """Every capability the run needs that the server lacks. ``prompt_tokens``: the longest prompt, when known."""
     s, sv = cfg.sampling, cfg.server
-    launch = sv.backend == "vllm_launch"
+    backend = backend_class(sv)
+    launch = backend.passes_vllm_flags
     out: list[Problem] = []
     name = cfg.model.served_model_name
     if name and name not in report.model_ids:
@@ -73,7 +75,7 @@ def find_problems(report: ServerReport, cfg: RootConfig, prompt_tokens: int | No
                 f"max_model_len is {report.max_model_len}: too short for {prompt} plus "
                 f"sampling.max_completion_length={s.max_completion_length}",
                 ["--max-model-len", str(need_len)],
-                _len_fix(sv.backend, need_len, s.max_completion_length),
+                backend.max_model_len_fix(need_len, s.max_completion_length),
             )
         )
     if report.is_cpu_vllm and s.seed_per_request:
@@ -119,22 +121,13 @@ def find_problems(report: ServerReport, cfg: RootConfig, prompt_tokens: int | No
     return out
 
 
-def _len_fix(backend: str, need_len: int, completion: int) -> str:
-    if backend == "embedded":
-        return (
-            f"server.embedded.max_model_len={need_len} (or lower sampling.max_completion_length={completion})"
-        )
-    if backend == "vllm_launch":
-        return f"server.vllm_launch.max_model_len={need_len} (or lower sampling.max_completion_length)"
-    return f"or lower sampling.max_completion_length={completion}"
-
-
 def fix_command(report: ServerReport, cfg: RootConfig, model_path: str | None = None) -> str:
     """The ``vllm serve`` command line that gives the server every capability the run needs."""
     s = cfg.sampling
     need_len = max(report.max_model_len or 0, s.max_completion_length + 1)
     need_lp = -1 if report.max_logprobs == -1 else max(report.max_logprobs or 0, s.num_sampler_logprobs, 20)
-    base = cfg.server.vllm_launch if cfg.server.backend == "vllm_launch" else VllmLaunchConfig()
+    passes_flags = backend_class(cfg.server).passes_vllm_flags
+    base = cfg.server.vllm_launch if passes_flags else VllmLaunchConfig()
     launch = replace(
         base,
         max_model_len=need_len,
@@ -142,7 +135,7 @@ def fix_command(report: ServerReport, cfg: RootConfig, model_path: str | None = 
         dtype=report.dtype or cfg.model.dtype,
         gpus=[] if report.is_cpu_vllm else base.gpus,
     )
-    if cfg.server.weight_sync != "nccl" and cfg.server.backend != "vllm_launch":
+    if cfg.server.weight_sync != "nccl" and not passes_flags:
         launch = replace(launch, weight_transfer_backend=None)
     name = cfg.model.served_model_name or (report.model_ids[0] if report.model_ids else None)
     model = report.model or model_path or cfg.model.name_or_path
@@ -202,7 +195,7 @@ def probe_server(
         lines.append(
             "The embedded server is configured under server.embedded (asyncgrpo check --explain server)."
         )
-    elif server_side and cfg.server.backend == "vllm_launch":
+    elif server_side and backend_class(cfg.server).passes_vllm_flags:
         lines.append(
             "server=vllm_launch passes these flags itself: server.vllm_launch.extra_args or env override one. "
             "A command that works:"

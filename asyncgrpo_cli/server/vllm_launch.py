@@ -35,7 +35,7 @@ import httpx
 from asyncgrpo_cli.config.schema import RootConfig, ServerConfig, VllmLaunchConfig
 from asyncgrpo_cli.errors import UserError
 from asyncgrpo_cli.paths import cache_dir
-from asyncgrpo_cli.server.backends import ServerBackend
+from asyncgrpo_cli.server.backends import BaseServerBackend
 from asyncgrpo_cli.server.child import ServerChild, free_port, loopback_url
 from asyncgrpo_cli.server.control import ServerControl, ServerInfo
 from asyncgrpo_cli.vllm_ext import EXTENSION_CLS
@@ -246,14 +246,27 @@ def preview_command(cfg: RootConfig) -> str:
     return f"{env} {shlex.join(install.argv(model) + flags)}   # {build}"
 
 
-class VllmLaunchBackend(ServerBackend):
+class VllmLaunchBackend(BaseServerBackend):
     """Starts ``vllm serve`` on the model being trained; ``stop()`` ends its process group (idempotent)."""
+
+    passes_vllm_flags = True
+
+    @classmethod
+    def probe_preview(cls, cfg: RootConfig) -> str | None:
+        return (
+            f"--probe-server: train starts vLLM and probes it once up; the command:\n  {preview_command(cfg)}"
+        )
+
+    @classmethod
+    def max_model_len_fix(cls, need_len: int, completion: int) -> str:
+        return f"server.vllm_launch.max_model_len={need_len} (or lower sampling.max_completion_length)"
 
     def __init__(self, cfg: ServerConfig, model_path: str, served_model_name: str | None, run_dir: Path):
         self.cfg = cfg
         self.launch = cfg.vllm_launch
         self.model_path = str(model_path)
         self.served_model_name = served_model_name
+        self.lora = cfg.weight_sync == "lora"  # adapters are loaded at runtime: --enable-lora and its env
         self.log_path = Path(run_dir) / "vllm_server.log"
         self.child = ServerChild("vLLM", self.log_path)
         self.install: VllmInstall | None = None
@@ -277,7 +290,7 @@ class VllmLaunchBackend(ServerBackend):
             served_model_name=self.served_model_name,
             cpu=self.install.cpu,
             port=port,
-            lora=self.cfg.weight_sync == "lora",
+            lora=self.lora,
         )
 
     def start(self) -> ServerInfo:
@@ -285,7 +298,7 @@ class VllmLaunchBackend(ServerBackend):
             return self.info
         port = self.launch.port or free_port(self.launch.host)
         cmd = self.command(port)
-        env = server_env(self.launch, extension_pythonpath(), lora=self.cfg.weight_sync == "lora")
+        env = server_env(self.launch, extension_pythonpath(), lora=self.lora)
         log.info("starting vLLM %s: %s (log: %s)", self.install.version, shlex.join(cmd), self.log_path)
         self.child.spawn(cmd, env)
         self.port = port
@@ -312,7 +325,7 @@ class VllmLaunchBackend(ServerBackend):
 
     def stop(self) -> None:
         """SIGTERM the server's process group, wait ``stop_timeout``, then SIGKILL what is left of it."""
-        if getattr(self, "control", None) is not None:
+        if self.control is not None:
             self.control.close()
         self.port = None
         self.child.stop(self.launch.stop_timeout)

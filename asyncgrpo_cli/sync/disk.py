@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from asyncgrpo_cli.server.control import ServerControl
+from asyncgrpo_cli.sync.base import BaseWeightSync
 from asyncgrpo_cli.sync.writer import write_full_state
 from asyncgrpo_cli.train.distributed import DistInfo, barrier
 
 KEEP_VERSIONS = 2
 
 
-class DiskWeightSync:
+class DiskWeightSync(BaseWeightSync):
     """Every rank calls ``push`` (the full tensors are gathered in lockstep); rank 0 writes and drives the server.
 
     ``control`` is None on the other ranks: they only take part in the gathers.

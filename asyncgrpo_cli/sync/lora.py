@@ -31,6 +31,7 @@ import httpx
 
 from asyncgrpo_cli.errors import UserError
 from asyncgrpo_cli.server.control import ServerControl, ServerControlError
+from asyncgrpo_cli.sync.base import BaseWeightSync
 from asyncgrpo_cli.sync.lora_policy import (
     NAME_TEMPLATE,
     ServerLora,
@@ -107,7 +108,7 @@ class LoraSyncSettings:
     """``rollout.max_staleness``: ``max_staleness + 2`` versions stay loaded."""
 
 
-class LoraWeightSync:
+class LoraWeightSync(BaseWeightSync):
     """Every rank calls ``push``; rank 0 writes and drives the server (``control`` is None on the other ranks)."""
 
     def __init__(
@@ -129,7 +130,7 @@ class LoraWeightSync:
             self.directory.mkdir(parents=True, exist_ok=True)
 
     @classmethod
-    def from_run(
+    def build(
         cls, cfg: Any, control: ServerControl | None, weights_dir: Path, info: DistInfo
     ) -> LoraWeightSync:
         """Built by ``train`` from the run's config: ``weights_dir`` (``server.weight_sync_dir``, default

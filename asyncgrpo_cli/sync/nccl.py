@@ -34,6 +34,7 @@ from asyncgrpo_cli.nccl.binding import Communicator, NcclTransport, encode_uniqu
 from asyncgrpo_cli.nccl.wire import TensorMeta, WireParams, reset_streams, send_tensors, update_info
 from asyncgrpo_cli.rollout.resync import server_unreachable
 from asyncgrpo_cli.server.control import ServerControl
+from asyncgrpo_cli.sync.base import BaseWeightSync
 from asyncgrpo_cli.sync.writer import tied_skip
 from asyncgrpo_cli.train.distributed import DistInfo, broadcast_object, iter_full_state
 
@@ -85,7 +86,7 @@ def _device_of(model: Any) -> torch.device:
     return device
 
 
-class NcclWeightSync:
+class NcclWeightSync(BaseWeightSync):
     """Every rank calls ``push`` (FSDP2 gathers are collectives); rank 0 holds ``control`` and the NCCL group.
 
     ``transport`` creates communicators; tests pass an in-memory one (the default is the real NCCL).
@@ -117,7 +118,7 @@ class NcclWeightSync:
         return self._comm
 
     @classmethod
-    def from_run(
+    def build(
         cls, cfg: RootConfig, control: ServerControl | None, directory: Path, info: DistInfo
     ) -> NcclWeightSync:
         """Built by ``train``: the settings under ``server.nccl``."""

@@ -23,12 +23,15 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from asyncgrpo_cli.config.schema import ServerConfig
 from asyncgrpo_cli.server.control import ServerControl, ServerControlError
+
+if TYPE_CHECKING:
+    from asyncgrpo_cli.protocols import WeightSync
 
 PROBE_TEXT = (
     "Question: a farmer has 12 apples and gives 5 to a friend. How many apples are left?\n"
@@ -282,7 +285,7 @@ _verifiers: weakref.WeakKeyDictionary[Any, SyncVerifier] = weakref.WeakKeyDictio
 
 def verify_weight_sync(
     cfg: ServerConfig,
-    weight_sync: Any,
+    weight_sync: WeightSync,
     model: Any,
     tokenizer: Any,
     version: int,
@@ -299,9 +302,9 @@ def verify_weight_sync(
     """
     verifier = _verifiers.get(weight_sync)
     if verifier is None:
-        directory = getattr(weight_sync, "directory", None)
+        directory = weight_sync.directory
         verifier = SyncVerifier(
-            getattr(weight_sync, "control", None),
+            weight_sync.control,
             tokenizer,
             tolerance=cfg.verify_sync_tolerance,
             compute_dtype=compute_dtype,
@@ -309,5 +312,4 @@ def verify_weight_sync(
         )
         _verifiers[weight_sync] = verifier
         weakref.finalize(weight_sync, verifier.close)
-    served_name = getattr(weight_sync, "served_name", None)  # lora: the version's adapter name
-    return verifier.check(model, version, served_name(version) if callable(served_name) else None)
+    return verifier.check(model, version, weight_sync.served_name(version))  # lora: the version's adapter

@@ -116,14 +116,7 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
         sync_cls = registry.resolve("weight_sync", cfg.server.weight_sync)
         sync_dir = broadcast_object(str(cfg.server.weight_sync_dir or run_dir / "weights"), info)
         control = main.server.control if main else None
-        build = getattr(
-            sync_cls, "from_run", None
-        )  # a backend with settings reads them from the run's config
-        weight_sync = (
-            build(cfg, control, Path(sync_dir), info)
-            if build is not None
-            else sync_cls(control, Path(sync_dir), info)
-        )
+        weight_sync = sync_cls.build(cfg, control, Path(sync_dir), info)  # protocols.WeightSync
         stack.callback(weight_sync.close)
         weight_sync.push(model, state.model_version)  # before generation starts
 
@@ -221,7 +214,7 @@ def _start_rollout(
         shuffle=cfg.data.shuffle,
         seed_offset=state.step,
         sampling_mask=main.sampling_mask,
-        versioned_model=getattr(parts.weight_sync, "served_name_template", None),  # lora: policy-v{version}
+        versioned_model=parts.weight_sync.served_name_template,  # lora: policy-v{version}
     )
     rollout = RolloutProcess(
         RolloutSpec(cfg.rollout.loop, settings, main.dataset, list(cfg.rewards.funcs)),

@@ -207,7 +207,7 @@ class Trainer:
         if link.lost or not (self._push_owed or link.resync_requested):
             return
         token = link.resync_token()
-        repush = getattr(p.weight_sync, "repush", None)  # rank-0-only re-send of a version already written
+        repush = p.weight_sync.repush  # rank-0-only re-send of a version already written (None: push again)
         try:
             if repush is not None:
                 for name, value in repush(p.state.model_version).items():

@@ -31,7 +31,6 @@ import numpy as np
 from asyncgrpo_cli.config.schema import RolloutConfig, SamplingConfig
 from asyncgrpo_cli.data.sources import PromptOrder
 from asyncgrpo_cli.metrics.reducer import MetricWindow
-from asyncgrpo_cli.rollout.candidates import CandidateSets
 from asyncgrpo_cli.rollout.client import CompletionClient, SamplingParams
 from asyncgrpo_cli.rollout.concurrency import ConcurrencyController, MetricsPoller
 from asyncgrpo_cli.rollout.resync import ServerLink, ServerWatch
@@ -46,7 +45,14 @@ from asyncgrpo_cli.rollout.scoring import (
 from asyncgrpo_cli.rollout.sequences import rollout_to_sequences
 from asyncgrpo_cli.rollout.served_name import start_group
 from asyncgrpo_cli.rollout.staleness import AllowanceTracker
-from asyncgrpo_cli.rollout.types import PromptResolved, Rollout, RolloutDone, RolloutGroup, TurnRecord
+from asyncgrpo_cli.samples import (
+    CandidateSets,
+    PromptResolved,
+    Rollout,
+    RolloutDone,
+    RolloutGroup,
+    TurnRecord,
+)
 
 log = logging.getLogger(__name__)
 

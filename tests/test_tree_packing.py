@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from asyncgrpo_cli.config.schema import PackingConfig
+from asyncgrpo_cli.errors import UserError
 from asyncgrpo_cli.model.logprobs import token_logprobs
 from asyncgrpo_cli.packing import planner_for
 from asyncgrpo_cli.packing.attention import (
@@ -156,7 +157,8 @@ def test_row_moves_with_its_tree_and_rejects_bad_input():
 def test_packers_name_their_planners():
     assert planner_for(TreePacker(PackingConfig())) is TreeBudgetPlanner
     assert planner_for(SequencePacker(PackingConfig())) is TokenBudgetPlanner
-    assert planner_for(object()) is TokenBudgetPlanner
+    with pytest.raises(UserError, match="declares no planner"):
+        planner_for(object())
 
 
 # ---------------------------------------------------------------- attention machinery

@@ -19,7 +19,7 @@ from asyncgrpo_cli.rollout.concurrency import ConcurrencyController
 from asyncgrpo_cli.rollout.loop import AsyncRolloutLoop, RolloutSettings
 from asyncgrpo_cli.rollout.resync import ServerLink, new_link_array
 from asyncgrpo_cli.rollout.rewards import RewardFunction
-from asyncgrpo_cli.rollout.types import PromptResolved, RolloutDone, TrainingSequence
+from asyncgrpo_cli.samples import PromptResolved, RolloutDone, TrainingSequence
 from tests.helpers.fake_server import FakeVllmServer
 
 URL = "http://127.0.0.1:9"

@@ -21,7 +21,7 @@ from asyncgrpo_cli.model.chunked_head import (
 )
 from asyncgrpo_cli.model.logprobs import token_logprobs
 from asyncgrpo_cli.packing.sequence import SequencePacker
-from asyncgrpo_cli.rollout.types import TrainingSequence
+from asyncgrpo_cli.samples import SAMPLER_TOPK, TopK, TrainingSequence
 
 NEG_INF = float("-inf")
 N, H, V, K = 23, 16, 301, 5
@@ -317,8 +317,11 @@ def random_samples(vocab: int, lengths=(9, 14, 6, 11), k: int = 4, seed: int = 0
                 train_mask=mask,
                 sampler_logprobs=(rng.normal(-2, 0.5, size=n) * mask).astype(np.float32),
                 advantage=(-1.0) ** i,
-                topk_ids=topk.astype(np.int64),
-                topk_logprobs=rng.normal(-3, 1, size=topk.shape).astype(np.float32),
+                token_extras={
+                    SAMPLER_TOPK: TopK(
+                        topk.astype(np.int64), rng.normal(-3, 1, size=topk.shape).astype(np.float32)
+                    )
+                },
             )
         )
     return out
@@ -334,7 +337,13 @@ def sampling_masks(samples: list[TrainingSequence], vocab: int, seed: int = 0) -
                 sets.append(None)
                 continue
             extra = rng.integers(0, vocab, size=int(rng.integers(1, 30))).tolist()
-            sets.append([int(s.input_ids[t]), *[int(c) for c in s.topk_ids[j, :2] if c >= 0], *extra])
+            sets.append(
+                [
+                    int(s.input_ids[t]),
+                    *[int(c) for c in s.token_extras[SAMPLER_TOPK].ids[j, :2] if c >= 0],
+                    *extra,
+                ]
+            )
     return sets
 
 
@@ -355,7 +364,7 @@ def stock_reference(model, samples, temperature: float, support: torch.Tensor | 
         logp = torch.log_softmax(z, dim=-1)
         lps.append(logp.gather(-1, torch.from_numpy(s.input_ids)[t][:, None]).squeeze(-1))
         ents.append(-torch.special.xlogy(logp.exp(), logp.exp()).sum(-1).detach())
-        ids = torch.from_numpy(s.topk_ids)
+        ids = torch.from_numpy(s.token_extras[SAMPLER_TOPK].ids)
         topks.append(logp.gather(-1, ids.clamp(min=0)).masked_fill(ids < 0, NEG_INF))
     return torch.cat(lps), torch.cat(ents), torch.cat(topks)
 

@@ -11,6 +11,7 @@ from asyncgrpo_cli.config.schema import LossConfig
 from asyncgrpo_cli.model.logprobs import TokenStats
 from asyncgrpo_cli.packing.row import PackedRow
 from asyncgrpo_cli.registry import resolve
+from asyncgrpo_cli.samples import SAMPLER_TOPK, TopK
 from asyncgrpo_cli.train.losses import (
     ClippedLoss,
     ScoreCenteringLoss,
@@ -37,12 +38,11 @@ def make_row(slp, adv, sample_index, topk_ids=None, topk_lps=None, num_samples=N
         sampler_logprobs=torch.as_tensor(slp, dtype=torch.float32),
         advantages=torch.as_tensor(adv, dtype=torch.float32),
         sample_index=sample_index,
-        topk_ids=topk_ids,
-        topk_logprobs=topk_lps,
         num_forwarded=1,
         num_trained=n,
         num_samples=num_samples if num_samples is not None else int(sample_index.max()) + 1 if n else 0,
         num_unpacked=1,
+        extras={SAMPLER_TOPK: TopK(topk_ids, topk_lps)},
     )
 
 
@@ -167,7 +167,9 @@ def toy_problem(n: int, vocab: int, k: int, temperature: float, seed: int = 0):
 def toy_stats(z: torch.Tensor, targets: torch.Tensor, row: PackedRow, temperature: float) -> TokenStats:
     """What the log-prob head returns, computed on full toy logits (top-k padding -1 -> -inf)."""
     logp = torch.log_softmax(z / temperature, dim=-1)
-    topk = logp.gather(-1, row.topk_ids.clamp(min=0)).masked_fill(row.topk_ids < 0, float("-inf"))
+    topk = logp.gather(-1, row.extras[SAMPLER_TOPK].ids.clamp(min=0)).masked_fill(
+        row.extras[SAMPLER_TOPK].ids < 0, float("-inf")
+    )
     return TokenStats(
         logprobs=logp.gather(-1, targets[:, None]).squeeze(-1),
         entropy=torch.zeros(len(targets)),
@@ -186,11 +188,12 @@ def test_score_centering_gradient_equals_analytic():
     grad_logpi = (eye[None, :, :] - pi[:, None, :]) / temp  # [n, v, V]: d log pi(v) / d z
     r_t = pi.gather(-1, targets[:, None]).squeeze(-1) / mu.gather(-1, targets[:, None]).squeeze(-1)
     m_t = ((r_t >= 0.5) & (r_t <= 5.0)).float()
-    pi_v, mu_v = pi.gather(-1, row.topk_ids), mu.gather(-1, row.topk_ids)
+    pi_v, mu_v = pi.gather(-1, row.extras[SAMPLER_TOPK].ids), mu.gather(-1, row.extras[SAMPLER_TOPK].ids)
     m_v = ((pi_v / mu_v >= 0.5) & (pi_v / mu_v <= 5.0)).float()
     own = (m_t * r_t)[:, None] * grad_logpi[torch.arange(n), targets]
     centering = (
-        (m_v * pi_v)[:, :, None] * grad_logpi.gather(1, row.topk_ids[:, :, None].expand(-1, -1, vocab))
+        (m_v * pi_v)[:, :, None]
+        * grad_logpi.gather(1, row.extras[SAMPLER_TOPK].ids[:, :, None].expand(-1, -1, vocab))
     ).sum(1)
     expected = -row.advantages[:, None] * (own - centering) / n
     assert 0 < m_t.sum() < n and 0 < m_v.sum() < m_v.numel(), "the toy should exercise both IS masks"
@@ -231,13 +234,13 @@ def concat_rows(rows: list[PackedRow]) -> PackedRow:
     offsets = [0]
     for r in rows[:-1]:
         offsets.append(offsets[-1] + r.num_samples)
-    k = max(r.topk_ids.shape[1] for r in rows)
+    k = max(r.extras[SAMPLER_TOPK].width for r in rows)
     return make_row(
         torch.cat([r.sampler_logprobs for r in rows]),
         torch.cat([r.advantages for r in rows]),
         torch.cat([r.sample_index + o for r, o in zip(rows, offsets, strict=True)]),
-        topk_ids=torch.cat([r.topk_ids for r in rows]) if k else None,
-        topk_lps=torch.cat([r.topk_logprobs for r in rows]) if k else None,
+        topk_ids=torch.cat([r.extras[SAMPLER_TOPK].ids for r in rows]) if k else None,
+        topk_lps=torch.cat([r.extras[SAMPLER_TOPK].logprobs for r in rows]) if k else None,
         num_samples=sum(r.num_samples for r in rows),
     )
 
@@ -310,8 +313,7 @@ def test_metrics_merge_equals_one_call(loss_cls):
 
 
 def test_registered_and_topk_flags():
-    assert resolve("loss", "clipped") is ClippedLoss and ClippedLoss.needs_sampler_topk is False
-    assert (
-        resolve("loss", "score_centering") is ScoreCenteringLoss
-        and ScoreCenteringLoss.needs_sampler_topk is True
+    assert resolve("loss", "clipped") is ClippedLoss and ClippedLoss.needs == ()
+    assert resolve("loss", "score_centering") is ScoreCenteringLoss and ScoreCenteringLoss.needs == (
+        SAMPLER_TOPK,
     )

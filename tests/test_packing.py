@@ -12,7 +12,7 @@ from asyncgrpo_cli.model.logprobs import token_logprobs
 from asyncgrpo_cli.packing.planner import context_only
 from asyncgrpo_cli.packing.row import PackedRow
 from asyncgrpo_cli.packing.sequence import SequencePacker
-from asyncgrpo_cli.rollout.types import TrainingSequence
+from asyncgrpo_cli.samples import SAMPLER_TOPK, TopK, TrainingSequence
 
 NEG_INF = float("-inf")
 
@@ -23,8 +23,9 @@ def sample(ids, mask, lps, adv=0.0, topk_ids=None, topk_lps=None) -> TrainingSeq
         train_mask=np.array(mask, dtype=bool),
         sampler_logprobs=np.array(lps, dtype=np.float32),
         advantage=adv,
-        topk_ids=None if topk_ids is None else np.array(topk_ids, dtype=np.int64),
-        topk_logprobs=None if topk_lps is None else np.array(topk_lps, dtype=np.float32),
+        token_extras={}
+        if topk_ids is None
+        else {SAMPLER_TOPK: TopK(np.array(topk_ids, dtype=np.int64), np.array(topk_lps, dtype=np.float32))},
     )
 
 
@@ -55,33 +56,38 @@ def test_layout_hand_made():
     assert row.sample_index.tolist() == [0, 0, 1, 1, 2]
     assert row.advantages.tolist() == [1.5, 1.5, -0.5, -0.5, 2.0]
     assert row.sampler_logprobs.tolist() == pytest.approx([-0.5, -0.6, -0.1, -0.2, -0.3])
-    assert row.topk_ids.tolist() == [[12, 7, -1], [5, -1, -1], [-1, -1, -1], [-1, -1, -1], [1, 2, 3]]
+    topk = row.extras[SAMPLER_TOPK]
+    assert topk.ids.tolist() == [[12, 7, -1], [5, -1, -1], [-1, -1, -1], [-1, -1, -1], [1, 2, 3]]
     inf = float("-inf")
     expected_lps = [[-0.5, -1.0, inf], [-0.2, inf, inf], [inf] * 3, [inf] * 3, [-1, -2, -3]]
-    torch.testing.assert_close(row.topk_logprobs, torch.tensor(expected_lps))
+    torch.testing.assert_close(topk.logprobs, torch.tensor(expected_lps))
     assert (row.num_forwarded, row.num_trained, row.num_samples, row.num_unpacked) == (10, 5, 3, 10)
     assert row.pred_index.dtype == row.target_ids.dtype == torch.int64
-    assert row.sampler_logprobs.dtype == row.advantages.dtype == row.topk_logprobs.dtype == torch.float32
+    assert row.sampler_logprobs.dtype == row.advantages.dtype == topk.logprobs.dtype == torch.float32
+    assert topk.ids.dtype == torch.int64 and row.candidate_ids is topk.ids
 
 
 def test_layout_without_topk_and_without_trained_tokens():
     row = pack([context_only(sample([1, 2, 3], [0, 1, 1], [0, -1, -1]))])
     assert row.num_trained == 0 and row.num_forwarded == 3
-    assert row.pred_index.shape == (0,) and row.topk_ids.shape == (0, 0) and row.topk_logprobs.shape == (0, 0)
+    assert row.pred_index.shape == (0,) and row.extras == {} and row.candidate_ids is None
 
 
 def test_rejects_bad_samples():
     with pytest.raises(ValueError, match="no predecessor"):
         pack([sample([1, 2], [1, 1], [0, 0])])
-    with pytest.raises(ValueError, match="top-k"):
+    with pytest.raises(ValueError, match="1 rows in token_extras.'sampler_topk'."):
         pack([sample([1, 2, 3], [0, 1, 1], [0, 0, 0], topk_ids=[[1]], topk_lps=[[0.0]])])
     with pytest.raises(ValueError, match="empty row"):
         pack([])
 
 
 def test_to_device_moves_every_tensor():
-    row = pack([sample([1, 2, 3], [0, 1, 1], [0, -1, -1])]).to("meta")
+    row = pack([sample([1, 2, 3], [0, 1, 1], [0, -1, -1], topk_ids=[[1], [2]], topk_lps=[[-1], [-2]])]).to(
+        "meta"
+    )
     tensors = [v for v in vars(row).values() if isinstance(v, torch.Tensor)]
+    tensors += [v for v in vars(row.extras[SAMPLER_TOPK]).values() if isinstance(v, torch.Tensor)]
     assert len(tensors) == 10 and all(t.device.type == "meta" for t in tensors)
     assert (row.num_forwarded, row.num_trained, row.num_samples) == (3, 2, 1)
 
@@ -121,7 +127,7 @@ def unpacked_reference(model, samples, temperature: float):
         rows = logp[t - 1]
         lps.append(rows.gather(-1, torch.from_numpy(s.input_ids)[t][:, None]).squeeze(-1))
         ents.append(-(rows.exp() * rows).sum(-1).detach())
-        ids = torch.from_numpy(s.topk_ids)
+        ids = torch.from_numpy(s.token_extras[SAMPLER_TOPK].ids)
         topks.append(rows.gather(-1, ids.clamp(min=0)).masked_fill(ids < 0, NEG_INF))
     return torch.cat(lps), torch.cat(ents), torch.cat(topks)
 

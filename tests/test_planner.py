@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from asyncgrpo_cli.packing.planner import MicroBatch, TokenBudgetPlanner
-from asyncgrpo_cli.rollout.types import TrainingSequence
+from asyncgrpo_cli.samples import TrainingSequence
 
 
 def seq(length: int, trained: int | None = None) -> TrainingSequence:

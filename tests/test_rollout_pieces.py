@@ -9,7 +9,14 @@ from asyncgrpo_cli.metrics.reducer import MetricWindow
 from asyncgrpo_cli.packing.planner import TokenBudgetPlanner
 from asyncgrpo_cli.rollout.sequences import rollout_to_sequences
 from asyncgrpo_cli.rollout.staleness import AllowanceTracker, initial_allowance, is_stale, step_allowance
-from asyncgrpo_cli.rollout.types import PromptResolved, Rollout, RolloutDone, TrainingSequence, TurnRecord
+from asyncgrpo_cli.samples import (
+    SAMPLER_TOPK,
+    PromptResolved,
+    Rollout,
+    RolloutDone,
+    TrainingSequence,
+    TurnRecord,
+)
 from asyncgrpo_cli.train.batching import StepCollector
 from asyncgrpo_cli.train.progress import PromptTracker
 
@@ -64,8 +71,8 @@ def test_single_turn_sample_layout_and_topk():
     assert s.input_ids.tolist() == [1, 2, 3, 7, 5]
     assert s.train_mask.tolist() == [False, False, False, True, True]
     np.testing.assert_allclose(s.sampler_logprobs, [0, 0, 0, -0.1, -0.2], atol=1e-7)
-    assert s.topk_ids.tolist() == [[7, 8], [5, 7]]
-    assert np.isclose(s.topk_logprobs[1, 1], -1.5)
+    assert s.token_extras[SAMPLER_TOPK].ids.tolist() == [[7, 8], [5, 7]]
+    assert np.isclose(s.token_extras[SAMPLER_TOPK].logprobs[1, 1], -1.5)
     assert stats.forks == 0 and stats.transitions == 0
 
 

@@ -23,7 +23,6 @@ from asyncgrpo_cli.embedded.sampling import BatchParams, SamplingParams, process
 from asyncgrpo_cli.errors import ConfigError
 from asyncgrpo_cli.packing.sequence import SequencePacker
 from asyncgrpo_cli.packing.tree import TreePacker
-from asyncgrpo_cli.rollout.candidates import CandidateSets
 from asyncgrpo_cli.rollout.client import (
     SamplingParams as ClientParams,
 )
@@ -33,7 +32,7 @@ from asyncgrpo_cli.rollout.client import (
     parse_generate_choice,
 )
 from asyncgrpo_cli.rollout.sequences import rollout_to_sequences
-from asyncgrpo_cli.rollout.types import Rollout, TrainingSequence, TurnRecord
+from asyncgrpo_cli.samples import SAMPLER_TOPK, CandidateSets, Rollout, TopK, TrainingSequence, TurnRecord
 from asyncgrpo_cli.server.mask_support import resolve_sampling_mask
 from asyncgrpo_cli.server.probe import find_problems, fix_command
 from asyncgrpo_cli.server.report import ServerReport
@@ -336,7 +335,7 @@ def llama():
 class _Capture:
     """A loss that records the head's statistics (and the row) and trains nothing."""
 
-    needs_sampler_topk = True
+    needs = (SAMPLER_TOPK,)
 
     def __call__(self, stats, row, num_trained):
         self.stats, self.row = stats, row
@@ -359,7 +358,7 @@ def _reference(model, samples, temperature):
         logp = torch.log_softmax(z, -1)
         lps.append(logp.gather(1, torch.from_numpy(s.input_ids[t])[:, None]).squeeze(1))
         ents.append(-torch.special.xlogy(logp.exp(), logp.exp()).sum(1))
-        tops.append(logp.gather(1, torch.from_numpy(s.topk_ids).clamp(min=0)))
+        tops.append(logp.gather(1, torch.from_numpy(s.token_extras[SAMPLER_TOPK].ids).clamp(min=0)))
     return torch.cat(lps), torch.cat(ents), torch.cat(tops)
 
 
@@ -367,8 +366,8 @@ def _reference(model, samples, temperature):
 def test_trainer_logprobs_are_renormalized_over_the_candidate_sets(llama, packer):
     samples = _tree_samples()
     for s in samples:  # the sampler's top-3 at each trained token: ids inside and outside the sets
-        s.topk_ids = np.tile(np.array([[4, 7, 30]], dtype=np.int64), (s.num_trained, 1))
-        s.topk_logprobs = np.full(s.topk_ids.shape, -1.0, dtype=np.float32)
+        ids = np.tile(np.array([[4, 7, 30]], dtype=np.int64), (s.num_trained, 1))
+        s.token_extras[SAMPLER_TOPK] = TopK(ids, np.full(ids.shape, -1.0, dtype=np.float32))
     capture = _Capture()
     with torch.no_grad():
         ref_lp, ref_ent, ref_top = _reference(llama, samples, temperature=0.8)
@@ -394,7 +393,7 @@ def test_loss_reports_the_renormalized_fraction():
     row = SequencePacker(PackingConfig()).pack(_tree_samples())
     n = row.num_trained
     stats = TokenStats(torch.full((n,), -1.0), torch.zeros(n), torch.zeros(n, 0))
-    row.topk_ids, row.topk_logprobs = torch.zeros(n, 0, dtype=torch.long), torch.zeros(n, 0)
+    row.extras = {SAMPLER_TOPK: TopK(torch.zeros(n, 0, dtype=torch.long), torch.zeros(n, 0))}
     _, raw = ScoreCenteringLoss(LossConfig())(stats, row, n)
     assert finalize_metrics(raw)["sampling/sampling_mask_frac"] == pytest.approx(8 / 10)
     row.support_ids = None

@@ -21,7 +21,7 @@ from asyncgrpo_cli.rollout.scorers.grpo import (
     is_zero_signal,
     sum_sources,
 )
-from asyncgrpo_cli.rollout.types import RolloutGroup, TrainingSequence
+from asyncgrpo_cli.samples import RolloutGroup, TrainingSequence
 
 nan = math.nan
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from asyncgrpo_cli.config.schema import PackingConfig
+from asyncgrpo_cli.errors import UserError
 from asyncgrpo_cli.model.logprobs import token_logprobs
 from asyncgrpo_cli.packing import planner_for
 from asyncgrpo_cli.packing.attention import (
@@ -24,7 +25,7 @@ from asyncgrpo_cli.packing.sequence import SequencePacker
 from asyncgrpo_cli.packing.tree import TreePacker, TreeRow, tree_layout
 from asyncgrpo_cli.packing.tree_planner import TreeBudgetPlanner
 from asyncgrpo_cli.packing.trie import GroupTrie
-from asyncgrpo_cli.rollout.types import TrainingSequence
+from asyncgrpo_cli.samples import SAMPLER_TOPK, TopK, TrainingSequence
 
 NEG_INF = float("-inf")
 
@@ -47,8 +48,7 @@ def sample(ids, trained_from: int | None = None, adv: float = 0.0, group: int = 
         train_mask=mask,
         sampler_logprobs=(rng.normal(-2, 0.5, size=ids.shape[0]) * mask).astype(np.float32),
         advantage=adv,
-        topk_ids=topk_ids,
-        topk_logprobs=topk_lps,
+        token_extras={} if topk_ids is None else {SAMPLER_TOPK: TopK(topk_ids, topk_lps)},
         group_id=group,
         prompt_seq=group,
     )
@@ -157,7 +157,8 @@ def test_row_moves_with_its_tree_and_rejects_bad_input():
 def test_packers_name_their_planners():
     assert planner_for(TreePacker(PackingConfig())) is TreeBudgetPlanner
     assert planner_for(SequencePacker(PackingConfig())) is TokenBudgetPlanner
-    assert planner_for(object()) is TokenBudgetPlanner
+    with pytest.raises(UserError, match="declares no planner"):
+        planner_for(object())
 
 
 # ---------------------------------------------------------------- attention machinery
@@ -302,7 +303,7 @@ def unpacked_reference(model, samples, temperature: float):
         rows = logp[t - 1]
         lps.append(rows.gather(-1, torch.from_numpy(s.input_ids)[t][:, None]).squeeze(-1))
         ents.append(-(rows.exp() * rows).sum(-1).detach())
-        ids = torch.from_numpy(s.topk_ids)
+        ids = torch.from_numpy(s.token_extras[SAMPLER_TOPK].ids)
         topks.append(rows.gather(-1, ids.clamp(min=0)).masked_fill(ids < 0, NEG_INF))
     return torch.cat(lps), torch.cat(ents), torch.cat(topks)
 

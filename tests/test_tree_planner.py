@@ -12,7 +12,7 @@ from asyncgrpo_cli.config.schema import PackingConfig
 from asyncgrpo_cli.packing.planner import MicroBatch
 from asyncgrpo_cli.packing.tree import TreePacker
 from asyncgrpo_cli.packing.tree_planner import TreeBudgetPlanner
-from asyncgrpo_cli.rollout.types import TrainingSequence
+from asyncgrpo_cli.samples import TrainingSequence
 
 
 def seq(ids, group: int = 0, trained: int | None = None) -> TrainingSequence:

@@ -130,7 +130,7 @@ def workload(ratio: float, opts: Options, vocab: int) -> tuple[int, list]:
 
 def make_samples(rng: np.random.Generator, groups: int, group: int, prompt: int, completion: int, vocab: int):
     """``groups`` x ``group`` samples: a shared prompt, completions forking at distinct first tokens."""
-    from asyncgrpo_cli.rollout.types import TrainingSequence
+    from asyncgrpo_cli.samples import SAMPLER_TOPK, TopK, TrainingSequence
 
     base = -float(np.log(vocab))  # a random model is near uniform: importance ratios near 1
     out = []
@@ -146,8 +146,10 @@ def make_samples(rng: np.random.Generator, groups: int, group: int, prompt: int,
             lps = np.where(mask, base + rng.normal(0, 0.2, ids.shape[0]), 0.0).astype(np.float32)
             out.append(TrainingSequence(
                 input_ids=ids, train_mask=mask, sampler_logprobs=lps, advantage=float(rng.normal()),
-                topk_ids=rng.integers(0, vocab, size=(completion, TOPK)),
-                topk_logprobs=(base + rng.normal(0, 0.2, (completion, TOPK))).astype(np.float32),
+                token_extras={SAMPLER_TOPK: TopK(
+                    rng.integers(0, vocab, size=(completion, TOPK)),
+                    (base + rng.normal(0, 0.2, (completion, TOPK))).astype(np.float32),
+                )},
                 group_id=g, prompt_seq=g, group_num_samples=group,
             ))  # fmt: skip
     return out

@@ -160,7 +160,7 @@ def synthetic_row(
     another sample, the current completion is stretched (or cut) to take the rest.
     """
     from asyncgrpo_cli.packing.trie import GroupTrie
-    from asyncgrpo_cli.rollout.types import TrainingSequence
+    from asyncgrpo_cli.samples import SAMPLER_TOPK, TopK, TrainingSequence
 
     plan, p, k = RowPlan(samples=[]), cfg.prompt_len, cfg.num_topk
     base = -math.log(vocab)  # a random model is near uniform: importance ratios near 1
@@ -190,12 +190,16 @@ def synthetic_row(
                 train_mask=mask,
                 sampler_logprobs=np.where(mask, base + rng.normal(0, 0.2, p + c), 0.0).astype(np.float32),
                 advantage=float(rng.normal()),
-                topk_ids=rng.integers(10, vocab, size=(c, k)) if k else None,
-                topk_logprobs=np.ascontiguousarray(
-                    np.sort(base + rng.normal(0, 0.2, (c, k)), axis=1)[:, ::-1], dtype=np.float32
-                )
+                token_extras={
+                    SAMPLER_TOPK: TopK(
+                        rng.integers(10, vocab, size=(c, k)),
+                        np.ascontiguousarray(
+                            np.sort(base + rng.normal(0, 0.2, (c, k)), axis=1)[:, ::-1], dtype=np.float32
+                        ),
+                    )
+                }
                 if k
-                else None,
+                else {},
                 group_id=group,
                 prompt_seq=group,
                 group_num_samples=cfg.group_size,

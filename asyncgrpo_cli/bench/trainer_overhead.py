@@ -23,7 +23,7 @@ def synthetic_groups(
     vocab: int,
     num_topk: int,
 ):
-    from asyncgrpo_cli.rollout.types import TrainingSequence
+    from asyncgrpo_cli.samples import SAMPLER_TOPK, TopK, TrainingSequence
 
     samples = []
     for g in range(num_groups):
@@ -34,20 +34,18 @@ def synthetic_groups(
             mask = np.zeros(len(ids), dtype=bool)
             mask[prompt_len:] = True
             lps = np.where(mask, -rng.random(len(ids)) * 3, 0.0).astype(np.float32)
-            topk_ids = rng.integers(10, vocab, size=(n, num_topk)).astype(np.int64) if num_topk else None
-            topk_lps = (
-                np.sort(-rng.random((n, num_topk)) * 5, axis=1)[:, ::-1].astype(np.float32)
-                if num_topk
-                else None
-            )
+            extras = {}
+            if num_topk:
+                topk_ids = rng.integers(10, vocab, size=(n, num_topk)).astype(np.int64)
+                topk_lps = np.sort(-rng.random((n, num_topk)) * 5, axis=1)[:, ::-1].astype(np.float32)
+                extras[SAMPLER_TOPK] = TopK(topk_ids, topk_lps)
             samples.append(
                 TrainingSequence(
                     input_ids=ids,
                     train_mask=mask,
                     sampler_logprobs=lps,
                     advantage=float(rng.normal()),
-                    topk_ids=topk_ids,
-                    topk_logprobs=topk_lps,
+                    token_extras=extras,
                     group_id=g,
                     prompt_seq=g,
                     group_num_samples=group_size,
@@ -80,7 +78,7 @@ def main(argv: list[str]) -> None:
     model = load_policy(resolve_model_path(cfg.model.name_or_path), cfg.model, torch.device("cpu"))
     loss_fn = registry.resolve("loss", cfg.loss.name)(cfg.loss)
     packer = registry.resolve("packer", cfg.packing.kind)(cfg.packing)
-    with_topk = bool(getattr(loss_fn, "needs_sampler_topk", False))
+    with_topk = bool(loss_fn.needs)  # as train/step.py: the head scores the row's top-k extras
     rng = np.random.default_rng(0)
     G = cfg.sampling.num_generations
     per_group = args.prompt_len * G + args.completion_len * G

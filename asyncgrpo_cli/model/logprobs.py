@@ -5,7 +5,9 @@ temperature (fp32) and log Z = logsumexp(z):
 
     logprob[i]    = z[i, target_ids[i]] - log Z[i]
     entropy[i]    = log Z[i] - Σ_v softmax(z[i])_v z[i, v]          (no gradient: logged only)
-    topk[i, j]    = z[i, topk_ids[i, j]] - log Z[i]                 (-inf where topk_ids[i, j] == -1)
+    topk[i, j]    = z[i, cand[i, j]] - log Z[i]                     (-inf where cand[i, j] == -1)
+
+with ``cand = row.candidate_ids``, the ids of the row's top-k token extras (the sampler's: ``sampler_topk``).
 
 The head is ``model.get_output_embeddings()`` (tied models share the embedding weight through it); the model's
 ``logit_scale`` (Cohere) and ``final_logit_softcapping`` (Gemma) are applied before the temperature, as its own
@@ -36,7 +38,8 @@ class TokenStats:
     """Per trained token (N rows, aligned with the row's loss terms).
 
     ``logprobs`` float32 [N] (differentiable); ``entropy`` float32 [N] (detached); ``topk_logprobs`` float32
-    [N, K] trainer log-probs of the sampler's top-k ids (differentiable, -inf at padding), None unless asked.
+    [N, K] trainer log-probs of the row's top-k extra ids (``row.candidate_ids``: the sampler's top-k;
+    differentiable, -inf at padding), None unless asked or when the row has none.
     """
 
     logprobs: torch.Tensor
@@ -143,7 +146,7 @@ def token_logprobs(
         row.target_ids,
         bias=bias,
         transform=_transform(model, temperature),
-        candidate_ids=row.topk_ids if with_topk else None,
+        candidate_ids=row.candidate_ids if with_topk else None,
         support_ids=support_ids,
     )
     return TokenStats(stats.logprobs, stats.entropy, stats.candidate_logprobs)

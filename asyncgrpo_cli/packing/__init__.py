@@ -6,18 +6,31 @@ Imports nothing at package import time; :func:`planner_for` imports the planner 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING
 
-DEFAULT_PLANNER = "asyncgrpo_cli.packing.planner:TokenBudgetPlanner"
+from asyncgrpo_cli.errors import UserError
+
+if TYPE_CHECKING:
+    from asyncgrpo_cli.protocols import Packer
 
 
-def planner_for(packer: Any) -> type:
+def planner_for(packer: Packer) -> type:
     """The planner class whose cost model matches ``packer``: its ``planner`` attribute ("module:Class").
 
     ``SequencePacker`` -> ``TokenBudgetPlanner`` (Σ L tokens, Σ L² cost); ``TreePacker`` ->
-    ``TreeBudgetPlanner`` (unique tokens under group tries). A packer that names none (a user plugin) gets
-    the sequence planner, whose Σ L token count never underestimates what a row forwards.
+    ``TreeBudgetPlanner`` (unique tokens under group tries). Every packer declares one
+    (:class:`~asyncgrpo_cli.protocols.Packer`); a user packer whose rows are plain concatenations names
+    ``asyncgrpo_cli.packing.planner:TokenBudgetPlanner``.
     """
-    target = getattr(packer, "planner", DEFAULT_PLANNER)
+    try:
+        target = packer.planner
+    except AttributeError:
+        target = None
+    if not isinstance(target, str) or ":" not in target:
+        raise UserError(
+            f"packing.kind: packer {type(packer).__name__} declares no planner: give it a class attribute "
+            "planner = 'module:Class' (see asyncgrpo_cli.protocols.Packer; for concatenated rows "
+            "'asyncgrpo_cli.packing.planner:TokenBudgetPlanner')"
+        )
     module, _, attr = target.partition(":")
     return getattr(importlib.import_module(module), attr)

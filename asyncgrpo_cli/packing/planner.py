@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from asyncgrpo_cli.rollout.types import TrainingSequence
+from asyncgrpo_cli.samples import TrainingSequence
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ import torch
 from asyncgrpo_cli.config.schema import PackingConfig
 from asyncgrpo_cli.packing.attention import sequence_leave
 from asyncgrpo_cli.packing.row import PackedRow, gather_loss_terms
-from asyncgrpo_cli.rollout.types import TrainingSequence
+from asyncgrpo_cli.samples import TrainingSequence
 
 
 class SequencePacker:

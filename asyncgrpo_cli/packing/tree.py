@@ -35,7 +35,7 @@ from asyncgrpo_cli.config.schema import PackingConfig
 from asyncgrpo_cli.packing.attention import token_leave
 from asyncgrpo_cli.packing.row import PackedRow, gather_loss_terms
 from asyncgrpo_cli.packing.trie import GroupTrie, group_key
-from asyncgrpo_cli.rollout.types import TrainingSequence
+from asyncgrpo_cli.samples import TrainingSequence
 
 
 @dataclass

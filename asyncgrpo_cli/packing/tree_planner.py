@@ -38,7 +38,7 @@ import numpy as np
 
 from asyncgrpo_cli.packing.planner import MicroBatch, context_only
 from asyncgrpo_cli.packing.trie import Attachment, GroupTrie, group_key
-from asyncgrpo_cli.rollout.types import TrainingSequence
+from asyncgrpo_cli.samples import TrainingSequence
 
 logger = logging.getLogger(__name__)
 

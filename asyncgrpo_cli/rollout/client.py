@@ -30,10 +30,9 @@ from typing import Any
 
 import httpx
 
-from asyncgrpo_cli.rollout.candidates import CandidateSets
 from asyncgrpo_cli.rollout.resync import ServerLink
 from asyncgrpo_cli.rollout.served_name import request_model, retired_fallback
-from asyncgrpo_cli.rollout.types import TurnRecord
+from asyncgrpo_cli.samples import CandidateSets, TurnRecord
 
 MAX_BACKOFF_S = 16.0
 GENERATE_ROUTE = "/inference/v1/generate"

@@ -6,8 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncgrpo_cli.metrics.reducer import MetricWindow
-from asyncgrpo_cli.rollout.candidates import CandidateSets
-from asyncgrpo_cli.rollout.types import Rollout, RolloutGroup, TurnRecord
+from asyncgrpo_cli.samples import CandidateSets, Rollout, RolloutGroup, TurnRecord
 
 
 def record_sampling_mask(m: MetricWindow, turn: TurnRecord) -> None:

@@ -44,7 +44,7 @@ from asyncgrpo_cli.rollout.rewards import RewardFunction
 from asyncgrpo_cli.rollout.scorers import ScoredGroup, ScorerContext
 from asyncgrpo_cli.rollout.sequences import rollout_to_sequences
 from asyncgrpo_cli.rollout.served_name import start_group
-from asyncgrpo_cli.rollout.types import PromptResolved, Rollout, RolloutDone, RolloutGroup, TurnRecord
+from asyncgrpo_cli.samples import PromptResolved, Rollout, RolloutDone, RolloutGroup, TurnRecord
 
 log = logging.getLogger(__name__)
 

@@ -3,6 +3,9 @@
 A turn whose prompt starts with the tokens kept so far extends the current sample (the new prompt tail becomes
 context, the sampled tokens become trained tokens). Any other turn starts a new sample (a fork): the chat template
 re-rendered the history differently. Every generated token is trained in exactly one sample.
+
+The sampler's top log-probs (``TurnRecord.output_sampler_logprobs``) become the ``sampler_topk`` token extra when
+``num_topk > 0`` (the loss needs them): the ``num_topk`` most likely entries of each trained token, best first.
 """
 
 from __future__ import annotations
@@ -11,8 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from asyncgrpo_cli.rollout.candidates import CandidateSets
-from asyncgrpo_cli.rollout.types import Rollout, TrainingSequence, TurnRecord
+from asyncgrpo_cli.samples import SAMPLER_TOPK, CandidateSets, Rollout, TopK, TrainingSequence, TurnRecord
 
 
 @dataclass
@@ -76,28 +78,35 @@ class _Builder:
         sets = CandidateSets.concat(self.masks)
         return sets if sets.num_with_set else None
 
+    def _sampler_topk(self) -> TopK | None:
+        """The ``num_topk`` best sampler entries of each trained token (id -1 / -inf where fewer); None when
+        not asked for or no trained token carries any."""
+        if self.num_topk <= 0 or all(t is None for t in self.topk):
+            return None
+        k = self.num_topk
+        topk = TopK(
+            np.full((len(self.topk), k), -1, dtype=np.int64),
+            np.full((len(self.topk), k), -np.inf, np.float32),
+        )
+        for i, entry in enumerate(self.topk):
+            if not entry:
+                continue
+            best = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]
+            for j, (tok, lp) in enumerate(best):
+                topk.ids[i, j] = tok
+                topk.logprobs[i, j] = lp
+        return topk
+
     def build(self) -> TrainingSequence | None:
         if not any(self.mask):
             return None
-        topk_ids = topk_lps = None
-        if self.num_topk > 0 and any(t is not None for t in self.topk):
-            k = self.num_topk
-            topk_ids = np.full((len(self.topk), k), -1, dtype=np.int64)
-            topk_lps = np.full((len(self.topk), k), -np.inf, dtype=np.float32)
-            for i, entry in enumerate(self.topk):
-                if not entry:
-                    continue
-                best = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]
-                for j, (tok, lp) in enumerate(best):
-                    topk_ids[i, j] = tok
-                    topk_lps[i, j] = lp
+        topk = self._sampler_topk()
         return TrainingSequence(
             input_ids=np.asarray(self.ids, dtype=np.int64),
             train_mask=np.asarray(self.mask, dtype=bool),
             sampler_logprobs=np.asarray(self.lps, dtype=np.float32),
-            topk_ids=topk_ids,
-            topk_logprobs=topk_lps,
             sampling_mask=self._sampling_mask(),
+            token_extras={} if topk is None else {SAMPLER_TOPK: topk},
         )
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from asyncgrpo_cli.metrics.reducer import MetricWindow
 from asyncgrpo_cli.packing.planner import MicroBatch, TokenBudgetPlanner
 from asyncgrpo_cli.rollout.staleness import initial_allowance, is_stale, step_allowance
-from asyncgrpo_cli.rollout.types import PromptResolved, RolloutDone, TrainingSequence
+from asyncgrpo_cli.samples import PromptResolved, RolloutDone, TrainingSequence
 from asyncgrpo_cli.train.progress import PromptTracker
 
 GET_TIMEOUT_S = 1.0

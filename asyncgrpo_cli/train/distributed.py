@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from asyncgrpo_cli.errors import UserError
-from asyncgrpo_cli.rollout.types import TrainingSequence
+from asyncgrpo_cli.samples import TrainingSequence
 
 
 @dataclass(frozen=True)

@@ -30,15 +30,18 @@ import torch
 from asyncgrpo_cli.config.schema import LossConfig
 from asyncgrpo_cli.model.logprobs import TokenStats
 from asyncgrpo_cli.packing.row import PackedRow
+from asyncgrpo_cli.samples import SAMPLER_TOPK
 
 MAX_LOG_RATIO = 80.0
 
 
 class _MaskedISLoss(ABC):
-    """Shared ratio, IS mask, normalization and metrics; subclasses give the per-token loss and clip flags."""
+    """Shared ratio, IS mask, normalization and metrics; subclasses give the per-token loss and clip flags.
 
-    needs_sampler_topk = False
-    """Whether the loss reads ``TokenStats.topk_logprobs`` (the trainer then calls the head with_topk=True)."""
+    A :class:`~asyncgrpo_cli.protocols.Loss`: ``needs`` names the token extras it reads from ``row.extras``.
+    """
+
+    needs: tuple[str, ...] = ()
 
     def __init__(self, cfg: LossConfig) -> None:
         self.cfg = cfg
@@ -105,7 +108,7 @@ class ScoreCenteringLoss(_MaskedISLoss):
     its gradient is exactly the one above (m detached). The value of the surrogate is not itself meaningful.
     Choices (reference open questions 3 and 6):
       - μ(v) are the raw sampler probabilities of the ``num_sampler_logprobs`` tokens the sampler ranked most
-        likely (``row.topk_ids``), not renormalized over that subset; the sampled token is in the sum only when it
+        likely (``row.extras["sampler_topk"]``), not renormalized over that subset; the sampled token is in the sum only when it
         is among them. The centering term is kept at IS-masked positions (f zeroes only the sampled token's term).
       - The normalizer counts IS-masked tokens (as the clipped loss does).
       - π(v) uses the same temperature as π(o_t). ``clip_ratio/*`` count tokens outside [1 - ε_low, 1 + ε_high].
@@ -117,19 +120,26 @@ class ScoreCenteringLoss(_MaskedISLoss):
         against a renormalized μ(v): the same bias as the ratios (warned at startup).
     """
 
-    needs_sampler_topk = True
+    needs = (SAMPLER_TOPK,)
 
     def token_losses(
         self, stats: TokenStats, row: PackedRow, ratio: torch.Tensor, mask: torch.Tensor
     ) -> tuple[torch.Tensor, dict]:
-        if stats.topk_logprobs is None:
+        topk = row.extras.get(SAMPLER_TOPK)
+        if topk is None:  # no sample of the row carries one (a context-only filler): an empty sum, K = 0
+            n = row.target_ids.shape[0]
+            ids, mu_lp = row.target_ids.new_full((n, 0), -1), row.sampler_logprobs.new_zeros((n, 0))
+            pi_lp = mu_lp if stats.topk_logprobs is None else stats.topk_logprobs
+        elif stats.topk_logprobs is None:
             raise ValueError(
                 "score_centering needs the trainer's top-k log-probs: call token_logprobs(with_topk=True)"
             )
-        pi_v = torch.exp(stats.topk_logprobs)  # 0 at padding (-inf)
-        mu_v = torch.exp(row.topk_logprobs)
+        else:
+            ids, mu_lp, pi_lp = topk.ids, topk.logprobs, stats.topk_logprobs
+        pi_v = torch.exp(pi_lp)  # 0 at padding (-inf)
+        mu_v = torch.exp(mu_lp)
         ratio_v = (pi_v / mu_v.clamp_min(torch.finfo(mu_v.dtype).tiny)).detach()
-        mask_v = ((ratio_v >= self.clip_min) & (ratio_v <= self.clip_max) & (row.topk_ids >= 0)).float()
+        mask_v = ((ratio_v >= self.clip_min) & (ratio_v <= self.clip_max) & (ids >= 0)).float()
         baseline = (mask_v * pi_v).sum(-1)
         extra = {"sampler_mass_sum": mu_v.sum(-1).sum().detach()}
         return -row.advantages * (mask * ratio - baseline), extra

@@ -191,11 +191,12 @@ def _start_rollout(
     from asyncgrpo_cli.packing import planner_for
     from asyncgrpo_cli.rollout.loop import RolloutSettings
     from asyncgrpo_cli.rollout.process import RolloutProcess, RolloutSpec
+    from asyncgrpo_cli.samples import SAMPLER_TOPK
     from asyncgrpo_cli.train.batching import StepCollector
 
     tr, state, tracker = cfg.trainer, parts.state, parts.tracker
     total_prompts = total_prompts_for(cfg, len(main.dataset))
-    num_topk = cfg.sampling.num_sampler_logprobs if getattr(parts.loss_fn, "needs_sampler_topk", False) else 0
+    num_topk = cfg.sampling.num_sampler_logprobs if SAMPLER_TOPK in parts.loss_fn.needs else 0
     settings = RolloutSettings(
         sampling=cfg.sampling,
         rollout=cfg.rollout,

@@ -4,18 +4,24 @@ Each micro-batch's loss is its summed per-token loss divided by ``num_trained`` 
 step, across micro-batches and ranks) and multiplied by the world size (FSDP2 averages gradients over ranks), so
 the accumulated gradient equals the full-batch token mean. A row with no trained token still runs forward and
 backward: its loss is connected to the graph with zero gradient, so every rank enters every collective.
+
+Algorithm-blind: the loss (a :class:`~asyncgrpo_cli.protocols.Loss`) declares the token extras it reads
+(``loss_fn.needs``); with any, the head also scores the ids of the row's top-k extras (``row.candidate_ids``).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from asyncgrpo_cli.model.logprobs import TokenStats, token_logprobs
-from asyncgrpo_cli.rollout.types import TrainingSequence
+from asyncgrpo_cli.samples import TrainingSequence
+
+if TYPE_CHECKING:
+    from asyncgrpo_cli.protocols import Loss, Packer
 
 
 @dataclass
@@ -32,14 +38,14 @@ def forward_backward(
     model: Any,
     rows: list[list[TrainingSequence]],
     num_trained: int,
-    packer: Any,
-    loss_fn: Any,
+    packer: Packer,
+    loss_fn: Loss,
     device: torch.device,
     temperature: float,
     world_size: int = 1,
 ) -> StepResult:
     """Run every micro-batch row of this rank; gradients accumulate in the parameters."""
-    with_topk = bool(getattr(loss_fn, "needs_sampler_topk", False))
+    with_topk = bool(loss_fn.needs)
     out = StepResult()
     model.train()
     loss_sum = torch.zeros(
@@ -69,7 +75,7 @@ def _through_root(model: Any, row: Any, temperature: float, with_topk: bool) -> 
 
     The head runs the decoder body and the LM head itself (never the full-vocabulary forward); with the row's
     sampling candidate sets (``row.support_ids``, top-k / top-p / min-p masks from the server) the log-probs,
-    entropies and sampler-top-k log-probs are renormalized over each token's set. Under FSDP2 the
+    entropies and top-k log-probs (``row.candidate_ids``) are renormalized over each token's set. Under FSDP2 the
     root module's hooks unshard the parameters it owns (embeddings, final norm, LM head) and schedule their
     gradient reduction, so the computation is redirected through ``model(...)`` with a one-shot ``forward``.
     """

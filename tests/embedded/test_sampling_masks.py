@@ -21,8 +21,8 @@ from asyncgrpo_cli.config.schema import EmbeddedServerConfig
 from asyncgrpo_cli.embedded.sampling import BatchParams, processed_logprobs
 from asyncgrpo_cli.embedded.sampling import SamplingParams as FilterParams
 from asyncgrpo_cli.errors import UserError
-from asyncgrpo_cli.rollout.candidates import CandidateSets
 from asyncgrpo_cli.rollout.client import CompletionClient, SamplingParams
+from asyncgrpo_cli.samples import CandidateSets
 from asyncgrpo_cli.server.control import ServerControl
 from asyncgrpo_cli.server.launch import EmbeddedServerProcess
 from asyncgrpo_cli.server.mask_support import resolve_sampling_mask

@@ -14,7 +14,7 @@ from asyncgrpo_cli.model.flex import FLEX_IMPL, register_flex
 from asyncgrpo_cli.model.logprobs import token_logprobs
 from asyncgrpo_cli.packing.sequence import SequencePacker
 from asyncgrpo_cli.packing.tree import TreePacker
-from asyncgrpo_cli.rollout.types import TrainingSequence
+from asyncgrpo_cli.samples import SAMPLER_TOPK, TopK, TrainingSequence
 
 pytestmark = pytest.mark.gpu
 VOCAB = 512
@@ -39,8 +39,8 @@ def groups(
             n = int(mask.sum())
             out.append(TrainingSequence(
                 input_ids=ids, train_mask=mask, sampler_logprobs=np.where(mask, -6.0, 0.0).astype(np.float32),
-                advantage=float(i) - forks / 2, topk_ids=rng.integers(0, VOCAB, size=(n, k)),
-                topk_logprobs=rng.normal(-6, 1, size=(n, k)).astype(np.float32), group_id=g, prompt_seq=g,
+                advantage=float(i) - forks / 2, token_extras={SAMPLER_TOPK: TopK(rng.integers(0, VOCAB, size=(n, k)),
+                rng.normal(-6, 1, size=(n, k)).astype(np.float32))}, group_id=g, prompt_seq=g,
             ))  # fmt: skip
     return out
 

@@ -25,6 +25,7 @@ from asyncgrpo_cli.bench.trainer_overhead import synthetic_groups
 from asyncgrpo_cli.config.schema import LossConfig, ModelConfig, PackingConfig, TrainerConfig
 from asyncgrpo_cli.model.loading import load_policy
 from asyncgrpo_cli.packing.sequence import SequencePacker
+from asyncgrpo_cli.samples import SAMPLER_TOPK
 from asyncgrpo_cli.train.checkpoint import (
     TrainerState,
     load_training_state,
@@ -55,10 +56,11 @@ def step_rows(vocab: int, num_steps: int, num_rows: int) -> list[tuple[list, int
         base = -float(np.log(vocab))  # a random model is near uniform: ratios near 1
         for s in samples:
             s.sampler_logprobs[s.train_mask] = base + rng.normal(0, 0.2, s.num_trained)
-            s.topk_logprobs = (base + rng.normal(0, 0.2, s.topk_logprobs.shape)).astype(np.float32)
+            top = s.token_extras[SAMPLER_TOPK]
+            top.logprobs = (base + rng.normal(0, 0.2, top.logprobs.shape)).astype(np.float32)
         blank = samples[-1]  # a sample without trained tokens rides along
         blank.train_mask[:] = False
-        blank.topk_ids = blank.topk_logprobs = None
+        blank.token_extras = {}
         rows = [samples[3 * r : 3 * r + 3] for r in range(num_rows)]
         steps.append((rows, sum(s.num_trained for s in samples)))
     return steps

@@ -14,7 +14,7 @@ import numpy as np
 
 from asyncgrpo_cli.metrics.reducer import MetricWindow
 from asyncgrpo_cli.rollout.rewards import RewardFunction
-from asyncgrpo_cli.rollout.types import RolloutGroup, TrainingSequence
+from asyncgrpo_cli.samples import RolloutGroup, TrainingSequence
 
 AdvantageHook = Callable[[RolloutGroup], np.ndarray]
 """``AsyncRolloutLoop.compute_advantages``: one advantage per rollout, in ``group.rewards`` order."""

@@ -28,7 +28,7 @@ import numpy as np
 
 from asyncgrpo_cli.rollout.rewards import call_reward_funcs
 from asyncgrpo_cli.rollout.scorers.base import AdvantageHook, ScoredGroup, ScorerContext
-from asyncgrpo_cli.rollout.types import RolloutGroup, TrainingSequence
+from asyncgrpo_cli.samples import RolloutGroup, TrainingSequence
 
 ZERO_STD_RTOL = 1e-6
 """Rule 4: a group whose reward std is at most this times ``max(1, max |r|)`` has zero variance."""

@@ -22,8 +22,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from prometheus_client import CollectorRegistry
+
 from asyncgrpo_cli.config.schema import EmbeddedServerConfig
 from asyncgrpo_cli.embedded import lora, weight_transfer
+from asyncgrpo_cli.embedded import metrics as prom
 from asyncgrpo_cli.embedded.api import ApiError, ModelContext
 from asyncgrpo_cli.embedded.completions import (
     build_completion_response,
@@ -31,7 +34,6 @@ from asyncgrpo_cli.embedded.completions import (
 )
 from asyncgrpo_cli.embedded.engine import GenerationEngine
 from asyncgrpo_cli.embedded.generate import build_generate_response, parse_generate_request
-from asyncgrpo_cli.embedded.metrics import render_metrics
 from asyncgrpo_cli.errors import UserError
 
 log = logging.getLogger("asyncgrpo.server")
@@ -59,10 +61,15 @@ class EmbeddedApp:
     """The NCCL weight-transfer receiver (``weight_transfer.py``); built from the engine when not given."""
     adapters: lora.AdapterSet | None = None
     """Loaded LoRA adapters (``lora.py``); None without ``--enable-lora``."""
+    registry: CollectorRegistry = field(init=False)
+    """What ``GET /metrics`` renders: the engine's counters under vLLM's names (``metrics.py``)."""
 
     def __post_init__(self) -> None:
         if self.weight_transfer is None:
             self.weight_transfer = weight_transfer.WeightReceiver(self.engine)
+        self.registry = prom.metrics_registry(
+            lambda: self.engine.stats(), lambda: self.ctx.served_name, self.cfg
+        )
 
 
 def _json_body(body: bytes) -> Any:
@@ -126,7 +133,7 @@ def health(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, P
 
 
 def metrics(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, Payload]:
-    return 200, render_metrics(app.engine.stats(), app.ctx.served_name, app.cfg)
+    return 200, prom.render(app.registry)
 
 
 def pause(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, Payload]:

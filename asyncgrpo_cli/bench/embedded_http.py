@@ -6,8 +6,9 @@ server does; this process is the client, an ``httpx.AsyncClient`` as the rollout
 round-trip latency of ``GET /health`` and of a one-token ``POST /inference/v1/generate`` (sequential, median
 and p90), then generated tokens/s of ``/inference/v1/generate`` at each concurrency (GRPO groups of 8 sharing a
 prompt, EOS ignored). ``starlette`` is the shipped stack (``embedded/http_server.py``), ``stdlib`` the former
-``http.server`` one (``bench/stdlib_http.py``). With ``--repeat N`` the stacks alternate N times (the machine's
-load drifts).
+``http.server`` one (``bench/stdlib_http.py``). All stacks' servers run at once and take turns, request by
+request for latency and batch by batch for tokens/s (``--repeat`` rounds, median), so a shared machine's
+drifting load falls on each alike.
 """
 
 from __future__ import annotations
@@ -79,20 +80,22 @@ def _quantiles(ms: list[float]) -> tuple[float, float]:
     return statistics.median(ms), statistics.quantiles(ms, n=10)[-1]
 
 
-async def _latency(client: Any, n: int, prompt: list[int]) -> dict[str, tuple[float, float]]:
-    out = {}
-    for name, call in (
-        ("health", lambda: client.get("/health")),
-        ("generate1", lambda: client.post("/inference/v1/generate", json=_body(prompt, 1, 0, 0))),
-    ):
-        await call()  # warm-up (connection, first step)
-        ms = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            resp = await call()
-            ms.append((time.perf_counter() - t0) * 1000)
-            resp.raise_for_status()
-        out[name] = _quantiles(ms)
+async def _latency(clients: dict[str, Any], n: int, prompt: list[int]) -> dict[str, dict[str, list[float]]]:
+    """Milliseconds per sequential request, the stacks taking turns request by request (same load for each)."""
+    calls = {
+        "health": lambda c: c.get("/health"),
+        "generate1": lambda c: c.post("/inference/v1/generate", json=_body(prompt, 1, 0, 0)),
+    }
+    out: dict[str, dict[str, list[float]]] = {name: {s: [] for s in clients} for name in calls}
+    for name, call in calls.items():
+        for client in clients.values():
+            (await call(client)).raise_for_status()  # warm-up (connection, first step)
+        for i in range(n):
+            for stack in list(clients)[:: 1 if i % 2 else -1]:
+                t0 = time.perf_counter()
+                resp = await call(clients[stack])
+                out[name][stack].append((time.perf_counter() - t0) * 1000)
+                resp.raise_for_status()
     return out
 
 
@@ -112,14 +115,26 @@ async def _tok_s(client: Any, prompts: list[list[int]], new: int, num_logprobs: 
     return tokens / elapsed
 
 
-async def _client(port: int, workloads: list[list[list[int]]], args: Any) -> tuple[dict, list[float]]:
+async def _measure(ports: dict[str, int], workloads: list[list[list[int]]], args: Any) -> tuple[dict, dict]:
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=3600, limits=limits) as client:
-        latency = await _latency(client, args.requests, workloads[0][0][:8])
-        await _tok_s(client, workloads[0][:1], 4, args.num_logprobs)  # warm-up
-        rates = [await _tok_s(client, prompts, args.new, args.num_logprobs) for prompts in workloads]
+    clients = {
+        stack: httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=3600, limits=limits)
+        for stack, port in ports.items()
+    }
+    try:
+        latency = await _latency(clients, args.requests, workloads[0][0][:8])
+        rates: dict[str, list[list[float]]] = {s: [[] for _ in workloads] for s in clients}
+        for client in clients.values():
+            await _tok_s(client, workloads[0][:1], 4, args.num_logprobs)  # warm-up
+        for rep in range(args.repeat):
+            for k, prompts in enumerate(workloads):
+                for stack in list(clients)[:: 1 if rep % 2 else -1]:
+                    rates[stack][k].append(await _tok_s(clients[stack], prompts, args.new, args.num_logprobs))
+    finally:
+        for client in clients.values():
+            await client.aclose()
     return latency, rates
 
 
@@ -137,32 +152,35 @@ def run(args: Any, stacks: list[str], concurrency: list[int], vocab: int) -> Non
         ]
         workloads.append([groups[i // 8] for i in range(c)])
     max_len, max_seqs = args.prompt_len + args.new + 1, max(concurrency)
-    print(
-        f"through HTTP: shape {args.shape}, {args.threads} torch thread(s) in the server, prompt {args.prompt_len}, "
-        f"{args.new} new tokens, top-{args.num_logprobs} log-probs; latency over {args.requests} sequential requests"
-    )
-    cols = "".join(f"{f'c={c} tok/s':>13}" for c in concurrency)
-    print(f"{'stack':>10} {'health p50/p90 ms':>18} {'generate1 p50/p90 ms':>21}{cols}")
     ctx = mp.get_context("spawn")
-    for _ in range(args.repeat):
-        for stack in stacks:
+    procs, ports = [], {}
+    try:
+        for stack in stacks:  # every stack's server up at once, idle while another one is measured
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_serve, args=(stack, args.shape, args.threads, max_len, max_seqs, child)
             )
             proc.start()
-            try:
-                if not parent.poll(600):
-                    raise TimeoutError(f"the {stack} server did not start within 600 s")
-                latency, rates = asyncio.run(_client(parent.recv(), workloads, args))
-            finally:
-                parent.send("stop")
-                proc.join(60)
-                if proc.is_alive():
-                    proc.kill()
-            h, g = latency["health"], latency["generate1"]
-            row = "".join(f"{r:>13.1f}" for r in rates)
-            print(
-                f"{stack:>10} {f'{h[0]:.2f} / {h[1]:.2f}':>18} {f'{g[0]:.2f} / {g[1]:.2f}':>21}{row}",
-                flush=True,
-            )
+            procs.append((proc, parent))
+            if not parent.poll(600):
+                raise TimeoutError(f"the {stack} server did not start within 600 s")
+            ports[stack] = parent.recv()
+        latency, rates = asyncio.run(_measure(ports, workloads, args))
+    finally:
+        for _, parent in procs:
+            parent.send("stop")
+        for proc, _ in procs:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+    print(
+        f"through HTTP: shape {args.shape}, {args.threads} torch thread(s) per server, prompt {args.prompt_len}, "
+        f"{args.new} new tokens, top-{args.num_logprobs} log-probs; the stacks take turns: latency over "
+        f"{args.requests} sequential requests each, tokens/s the median of {args.repeat} round(s)"
+    )
+    cols = "".join(f"{f'c={c} tok/s':>13}" for c in concurrency)
+    print(f"{'stack':>10} {'health p50/p90 ms':>18} {'generate1 p50/p90 ms':>21}{cols}")
+    for stack in stacks:
+        h, g = _quantiles(latency["health"][stack]), _quantiles(latency["generate1"][stack])
+        row = "".join(f"{statistics.median(r):>13.1f}" for r in rates[stack])
+        print(f"{stack:>10} {f'{h[0]:.2f} / {h[1]:.2f}':>18} {f'{g[0]:.2f} / {g[1]:.2f}':>21}{row}")

@@ -216,14 +216,12 @@ def served(tiny_model_dir):
     app.weight_transfer = WeightReceiver(app.engine, transport=LoopbackTransport(), timeout=20)
     server = bind("127.0.0.1", 0)
     server.app = app
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
+    server.start()
     try:
-        yield app, f"http://127.0.0.1:{server.server_address[1]}"
+        yield app, f"http://127.0.0.1:{server.port}"
     finally:
         app.stopping.set()
-        server.shutdown()
-        server.server_close()
+        server.stop()
         app.engine.shutdown()
 
 

@@ -5,8 +5,11 @@ The model has the shape of the configured one with random weights (no download),
 SmolLM2-135M's shape. Requests come in GRPO groups of 8 sharing a prompt; EOS is ignored so every request
 produces exactly ``--new`` tokens.
 
+With ``--http starlette,stdlib`` the server is measured through HTTP instead, one HTTP stack beside the other
+(``embedded_http.py``: latency of small requests, tokens/s at each concurrency).
+
 Usage: asyncgrpo bench embedded-server [--shape smollm2|tiny] [--threads 1] [--concurrency 1,8,16,32]
-       [--prompt-len 100] [--new 160] [--num-logprobs 8]
+       [--prompt-len 100] [--new 160] [--num-logprobs 8] [--http starlette,stdlib [--requests 200] [--repeat 1]]
 """
 
 from __future__ import annotations
@@ -115,10 +118,20 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--new", type=int, default=160)
     parser.add_argument("--num-logprobs", type=int, default=8)
+    parser.add_argument("--http", default="", help="HTTP stacks to compare, e.g. starlette,stdlib")
+    parser.add_argument("--requests", type=int, default=200, help="--http: sequential requests per latency")
+    parser.add_argument("--repeat", type=int, default=1, help="--http: rounds of the stacks, alternating")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = _model(args.shape)
     vocab = model.config.vocab_size
+    if args.http:
+        from asyncgrpo_cli.bench import embedded_http
+
+        del model  # each stack's server process builds its own
+        concurrency = [int(x) for x in args.concurrency.split(",")]
+        embedded_http.run(args, args.http.split(","), concurrency, vocab)
+        return
     gen = torch.Generator().manual_seed(0)
     print(
         f"shape {args.shape}, {args.threads} torch thread(s), prompt {args.prompt_len}, {args.new} new tokens, "

@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import statistics
-import threading
 import time
 from typing import Any
 
@@ -85,8 +84,8 @@ def _receiver(shape: str, gpu: int, conn: Any) -> None:
         )
         server = bind("127.0.0.1", 0)
         server.app = app
-        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-        conn.send(("ready", server.server_address[1]))
+        server.start()
+        conn.send(("ready", server.port))
         while True:
             cmd, arg = conn.recv()
             if cmd == "raw":
@@ -102,7 +101,7 @@ def _receiver(shape: str, gpu: int, conn: Any) -> None:
             else:
                 break
         app.stopping.set()
-        server.shutdown()
+        server.stop()
         engine.shutdown()
     except BaseException as e:  # reported to the parent
         conn.send(("error", f"{type(e).__name__}: {e}"))

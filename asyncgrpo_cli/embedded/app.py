@@ -2,28 +2,27 @@
 
 Same routes, field names, shapes and metric names as vLLM (``VLLM_SERVER_DEV_MODE=1`` routes included), so the
 client has one code path. It exists so the quickstart runs on a laptop CPU and tests run in seconds; it is not a
-production engine. Standard library HTTP (``ThreadingHTTPServer``, HTTP/1.1 keep-alive), loopback by default.
+production engine. The HTTP layer (starlette + uvicorn, as vLLM) is ``http_server.py``; loopback by default.
 Started as ``python -m asyncgrpo_cli.embedded --config FILE`` (``embedded/__main__.py``) or ``asyncgrpo serve``.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+
+from prometheus_client import CollectorRegistry
 
 from asyncgrpo_cli.config.schema import EmbeddedServerConfig
-from asyncgrpo_cli.embedded import lora, weight_transfer
+from asyncgrpo_cli.embedded import http_server, lora, weight_transfer
+from asyncgrpo_cli.embedded import metrics as prom
 from asyncgrpo_cli.embedded.api import ApiError, ModelContext
 from asyncgrpo_cli.embedded.completions import (
     build_completion_response,
@@ -31,17 +30,11 @@ from asyncgrpo_cli.embedded.completions import (
 )
 from asyncgrpo_cli.embedded.engine import GenerationEngine
 from asyncgrpo_cli.embedded.generate import build_generate_response, parse_generate_request
-from asyncgrpo_cli.embedded.metrics import render_metrics
+from asyncgrpo_cli.embedded.http_server import EmbeddedHTTPServer, Payload, Route
+from asyncgrpo_cli.embedded.http_server import PortInUseError as PortInUseError  # re-exported: __main__.py
 from asyncgrpo_cli.errors import UserError
 
 log = logging.getLogger("asyncgrpo.server")
-
-Payload = dict[str, Any] | str | None
-Route = Callable[["EmbeddedApp", dict[str, str], bytes], tuple[int, Payload]]
-
-
-class PortInUseError(UserError):
-    """The configured port is taken (``main`` exits with status 3)."""
 
 
 @dataclass
@@ -59,10 +52,15 @@ class EmbeddedApp:
     """The NCCL weight-transfer receiver (``weight_transfer.py``); built from the engine when not given."""
     adapters: lora.AdapterSet | None = None
     """Loaded LoRA adapters (``lora.py``); None without ``--enable-lora``."""
+    registry: CollectorRegistry = field(init=False)
+    """What ``GET /metrics`` renders: the engine's counters under vLLM's names (``metrics.py``)."""
 
     def __post_init__(self) -> None:
         if self.weight_transfer is None:
             self.weight_transfer = weight_transfer.WeightReceiver(self.engine)
+        self.registry = prom.metrics_registry(
+            lambda: self.engine.stats(), lambda: self.ctx.served_name, self.cfg
+        )
 
 
 def _json_body(body: bytes) -> Any:
@@ -126,7 +124,7 @@ def health(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, P
 
 
 def metrics(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, Payload]:
-    return 200, render_metrics(app.engine.stats(), app.ctx.served_name, app.cfg)
+    return 200, prom.render(app.registry)
 
 
 def pause(app: EmbeddedApp, query: dict[str, str], body: bytes) -> tuple[int, Payload]:
@@ -238,91 +236,12 @@ ROUTES: dict[tuple[str, str], Route] = {
 }
 
 
-# -- HTTP -------------------------------------------------------------------------------------------------------
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "asyncgrpo-embedded"
-    timeout = 600  # seconds an idle keep-alive connection is held open
-    disable_nagle_algorithm = True  # headers and body leave at once, not after the client's 40 ms delayed ACK
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        self._dispatch("GET")
-
-    def do_POST(self) -> None:  # noqa: N802
-        self._dispatch("POST")
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - overrides http.server
-        log.debug("%s " + format, self.address_string(), *args)
-
-    def _dispatch(self, method: str) -> None:
-        url = urlsplit(self.path)
-        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
-        try:
-            body = self._read_body()
-            route = ROUTES.get((method, url.path))
-            if route is None:
-                allowed = any(path == url.path for _, path in ROUTES)
-                raise ApiError(
-                    f"{'Method Not Allowed' if allowed else 'Not Found'}: {method} {url.path}",
-                    405 if allowed else 404,
-                    "MethodNotAllowed" if allowed else "NotFoundError",
-                )
-            status, payload = route(self.server.app, query, body)  # type: ignore[attr-defined]
-        except ApiError as e:
-            status, payload = e.status, e.body()
-        except Exception as e:  # a bug: answer 500 with the message rather than dropping the connection
-            log.exception("%s %s failed", method, url.path)
-            status, payload = 500, ApiError(f"{type(e).__name__}: {e}", 500, "InternalServerError").body()
-        self._send(status, payload)
-
-    def _read_body(self) -> bytes:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            self.close_connection = True
-            raise ApiError(
-                "chunked request bodies are not supported; send Content-Length", 411, "LengthRequired"
-            )
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            self.close_connection = True
-            raise ApiError("invalid Content-Length header") from None
-        return self.rfile.read(length) if length > 0 else b""
-
-    def _send(self, status: int, payload: Payload) -> None:
-        if payload is None:
-            data, ctype = b"", "application/json"
-        elif isinstance(payload, str):
-            data, ctype = payload.encode(), "text/plain; version=0.0.4; charset=utf-8"
-        else:
-            data, ctype = json.dumps(payload).encode(), "application/json"
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            if data:
-                self.wfile.write(data)
-        except (BrokenPipeError, ConnectionResetError):  # the client went away while we generated
-            self.close_connection = True
-
-
-class EmbeddedHTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 256
-    app: EmbeddedApp
-
-
 def bind(host: str, port: int) -> EmbeddedHTTPServer:
-    """Bind the listening socket (port 0 picks a free port); a taken port raises ``PortInUseError``."""
-    try:
-        return EmbeddedHTTPServer((host, port), _Handler)
-    except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            raise PortInUseError(
-                f"server.embedded.port: port {port} on {host} is already in use; pick another port "
-                "(server.embedded.port=N) or 0 for a free one."
-            ) from None
-        raise
+    """Bind the listening socket for ``ROUTES`` (port 0 picks a free one); a taken port raises ``PortInUseError``.
+
+    In-process use: ``server = bind(host, 0); server.app = app; server.start()``, then ``server.stop()``.
+    """
+    return http_server.bind(host, port, ROUTES)
 
 
 # -- startup ----------------------------------------------------------------------------------------------------
@@ -422,9 +341,8 @@ def run_server(
     try:
         app = build_app(str(model_dir), cfg, served_model_name)
         server.app = app
-        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
-        thread.start()
-        port = server.server_address[1]
+        server.start()
+        port = server.port
         log.info(
             "embedded server: %s as %r on http://%s:%d (%d torch threads)",
             model_dir,
@@ -440,14 +358,14 @@ def run_server(
             )
         if ready_file:
             write_ready_file(ready_file, port)
-        while not stop.wait(0.5) and thread.is_alive():
+        while not stop.wait(0.5) and server.is_alive():
             pass
         log.info("embedded server: stopping")
-        app.stopping.set()
-        server.shutdown()
+        app.stopping.set()  # requests waiting on the engine answer 503 within a second
+        server.stop()
         app.engine.shutdown()
     finally:
-        server.server_close()
+        server.stop()
         _restore_signal_handlers(previous)
 
 

@@ -2,9 +2,10 @@
 
 Three pieces, each testable alone:
 
-- ``parse_prometheus`` / ``read_vllm_load``: vLLM's Prometheus text (``GET /metrics``) reduced to what the cap
-  needs. Series carry ``{engine="0", model_name=...}`` labels; with several engines KV usage is the max,
-  running / waiting requests and the preemption counter are summed. The KV-cache size is the
+- ``parse_prometheus`` / ``read_vllm_load``: vLLM's Prometheus text (``GET /metrics``, read with
+  ``prometheus_client``'s parser) reduced to what the cap needs. Series carry ``{engine="0", model_name=...}``
+  labels; with several engines KV usage is the max, running / waiting requests and the preemption counter are
+  summed. The KV-cache size is the
   ``kv_cache_size_tokens`` label of ``vllm:cache_config_info`` (max across engines), else
   ``num_gpu_blocks * block_size``.
 - ``ConcurrencyController``: a pure state machine on plain numbers. Initial cap = KV-cache tokens //
@@ -24,10 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from dataclasses import dataclass
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from asyncgrpo_cli.metrics.reducer import MetricWindow
 
@@ -54,46 +55,34 @@ class PromSample:
     value: float
 
 
-_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+-?\d+)?\s*$")
-_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(?:,|$)')
-_ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+_MALFORMED = (ValueError, IndexError)  # what the parser raises on a malformed line (IndexError: rarely)
 
 
-def _unescape(value: str) -> str:
-    return re.sub(r'\\[\\"n]', lambda m: _ESCAPES[m.group(0)], value)
-
-
-def _parse_labels(text: str) -> dict[str, str] | None:
-    labels: dict[str, str] = {}
-    pos = 0
-    text = text.strip()
-    while pos < len(text):
-        m = _LABEL.match(text, pos)
-        if m is None:
-            return None
-        labels[m.group(1)] = _unescape(m.group(2))
-        pos = m.end()
-    return labels
+def _samples(text: str) -> list[PromSample]:
+    return [
+        PromSample(s.name, dict(s.labels), float(s.value))
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    ]
 
 
 def parse_prometheus(text: str) -> list[PromSample]:
-    """Samples of a Prometheus text exposition (format 0.0.4). Comments are skipped, and so are malformed lines."""
+    """Samples of a Prometheus text exposition (format 0.0.4), read by ``prometheus_client``'s parser.
+
+    The library rejects a whole page for one malformed line; then the page is read line by line and the
+    malformed lines are skipped (the rest of the page still counts).
+    """
+    try:
+        return _samples(text)
+    except _MALFORMED:
+        pass
     out: list[PromSample] = []
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if m is None:
-            continue
-        labels = _parse_labels(m.group(2) or "")
-        if labels is None:
-            continue
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        out.append(PromSample(m.group(1), labels, value))
+    for line in text.splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            try:
+                out += _samples(line + "\n")
+            except _MALFORMED:
+                continue
     return out
 
 

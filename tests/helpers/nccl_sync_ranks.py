@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
 
 import torch
 
@@ -28,8 +27,8 @@ def start_server(model_dir: str, transport: LoopbackTransport):
     app.weight_transfer = WeightReceiver(app.engine, transport=transport, timeout=60)
     server = bind("127.0.0.1", 0)
     server.app = app
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    return app, f"http://127.0.0.1:{server.server_address[1]}"
+    server.start()
+    return app, f"http://127.0.0.1:{server.port}"
 
 
 def main() -> None:

@@ -26,14 +26,14 @@ def _serve(stack: str, shape: str, threads: int, max_len: int, max_seqs: int, co
     """The child: a random model of ``shape`` behind the embedded app and the ``stack`` HTTP layer."""
     import torch
 
-    from asyncgrpo_cli.bench.embedded_server import _model
+    from asyncgrpo_cli.bench.shapes import serving_model
     from asyncgrpo_cli.config.schema import EmbeddedServerConfig
     from asyncgrpo_cli.embedded.api import ModelContext
     from asyncgrpo_cli.embedded.app import ROUTES, EmbeddedApp, bind
     from asyncgrpo_cli.embedded.engine import GenerationEngine
 
     torch.set_num_threads(threads)
-    model = _model(shape)
+    model = serving_model(shape)
     engine = GenerationEngine(
         model,
         eos_token_ids=[],

@@ -17,38 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 
-
-def _model(shape: str):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    if shape == "smollm2":
-        cfg = LlamaConfig(
-            vocab_size=49152,
-            hidden_size=576,
-            intermediate_size=1536,
-            num_hidden_layers=30,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-            head_dim=64,
-            tie_word_embeddings=True,
-            max_position_embeddings=2048,
-            eos_token_id=2,
-        )
-        return LlamaForCausalLM(cfg).eval()
-    cfg = Qwen3Config(
-        vocab_size=1024,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        tie_word_embeddings=True,
-        eos_token_id=2,
-    )
-    return Qwen3ForCausalLM(cfg).eval()
+from asyncgrpo_cli.bench.shapes import serving_model
 
 
 def _engine_tok_s(model, prompts: list[list[int]], new: int, num_logprobs: int) -> float:
@@ -123,7 +92,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--repeat", type=int, default=1, help="--http: rounds of the stacks, alternating")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model = _model(args.shape)
+    model = serving_model(args.shape)
     vocab = model.config.vocab_size
     if args.http:
         from asyncgrpo_cli.bench import embedded_http

@@ -35,6 +35,9 @@ NAN = float("nan")
         ("sample/dropped_stale_count", "sum"),
         ("tools/search/call_count", "sum"),
         ("rollout/vllm_retry_count", "sum"),
+        ("distill/teacher_tokens_total", "sum"),  # the reference's distillation counters say 'total'
+        ("rollout/total_samples", "sum"),
+        ("stats/Total", "sum"),
         ("completions/max_length", "max"),
         ("sampling/importance_sampling_ratio/max", "max"),
         ("sample/staleness_max", "max"),
@@ -49,6 +52,9 @@ NAN = float("nan")
         ("stats/country", "mean"),
         ("stats/minutes_s", "mean"),
         ("stats/accountant", "mean"),
+        ("stats/totally", "mean"),
+        ("stats/subtotals", "mean"),
+        ("total/reward", "mean"),  # 'total' in an earlier segment does not count
         ("max/value", "mean"),  # 'max' in an earlier segment does not count
         ("count/reward", "mean"),
         ("stats/Max_len", "max"),  # case-insensitive
@@ -61,6 +67,7 @@ def test_aggregation_by_last_segment_words(name, how):
 
 def test_reduce_metric_each_rule():
     assert reduce_metric("sample/dropped_stale_count", [1, 2, 3]) == 6
+    assert reduce_metric("distill/teacher_tokens_total", [10, 20, 5]) == 35
     assert reduce_metric("completions/max_length", [12, 40, 7]) == 40
     assert reduce_metric("clip_ratio/low_min", [0.3, 0.05, 0.2]) == 0.05
     assert reduce_metric("reward", [1.0, 0.0, 0.5, 0.5]) == 0.5

@@ -21,9 +21,9 @@ if TYPE_CHECKING:
     from asyncgrpo_cli.config.schema import DataConfig
 
 # Keep in sync with asyncgrpo_cli.rewards.format.final_boxed (one \boxed{...}, at the very end). Chosen by measuring
-# SmolLM2-135M-Instruct (16 problems x 8 samples): at temperature 0.7 (the quickstart's) this wording gives ~5%
-# accuracy, ~31% format and a reward spread in 94% of groups at ~47 tokens per answer; "show your work" wordings
-# gave similar rewards at 2-4x the tokens, and at temperature 1.0 the model mostly produces gibberish.
+# SmolLM2-135M-Instruct (16 problems x 8 samples, earlier mixed one- and two-step problems): at temperature 0.7 (the
+# quickstart's) it kept answers at ~47 tokens; "show your work" wordings gave similar rewards at 2-4x the tokens,
+# and at temperature 1.0 the model mostly produces gibberish. On `_buys` below (6 x 8): ~27% correct, ~25% boxed.
 ANSWER_INSTRUCTION = (
     "Reply with one short sentence: the calculation, then the answer in \\boxed{}. "
     "Example: 3 + 4 = 7, so the answer is \\boxed{7}."

@@ -144,6 +144,9 @@ def _train_job(dcfg) -> None:
     log = logging.getLogger("asyncgrpo")
     for name in ("httpx", "httpcore"):
         logging.getLogger(name).setLevel(logging.WARNING)  # Hydra's logging setup resets levels
+    from asyncgrpo_cli.metrics.console import route_terminal_logging
+
+    route_terminal_logging()  # on a terminal, log lines print through rich, above the live view
     import os
 
     main_rank = int(os.environ.get("RANK", "0")) == 0

@@ -17,10 +17,12 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
+from rich.logging import RichHandler
+from rich.text import Text
 
 from asyncgrpo_cli.config.schema import LoggingConfig
 from asyncgrpo_cli.metrics import sinks as sinks_mod
-from asyncgrpo_cli.metrics.console import ConsoleView
+from asyncgrpo_cli.metrics.console import ConsoleView, LiveLogging
 from asyncgrpo_cli.metrics.logger import SINK_NAMES, MetricsLogger
 from asyncgrpo_cli.metrics.reducer import MetricWindow, aggregation, reduce_metric
 from asyncgrpo_cli.metrics.sinks import JsonlSink, TrackioSink
@@ -35,6 +37,9 @@ NAN = float("nan")
         ("sample/dropped_stale_count", "sum"),
         ("tools/search/call_count", "sum"),
         ("rollout/vllm_retry_count", "sum"),
+        ("distill/teacher_tokens_total", "sum"),  # the reference's distillation counters say 'total'
+        ("rollout/total_samples", "sum"),
+        ("stats/Total", "sum"),
         ("completions/max_length", "max"),
         ("sampling/importance_sampling_ratio/max", "max"),
         ("sample/staleness_max", "max"),
@@ -49,6 +54,9 @@ NAN = float("nan")
         ("stats/country", "mean"),
         ("stats/minutes_s", "mean"),
         ("stats/accountant", "mean"),
+        ("stats/totally", "mean"),
+        ("stats/subtotals", "mean"),
+        ("total/reward", "mean"),  # 'total' in an earlier segment does not count
         ("max/value", "mean"),  # 'max' in an earlier segment does not count
         ("count/reward", "mean"),
         ("stats/Max_len", "max"),  # case-insensitive
@@ -61,6 +69,7 @@ def test_aggregation_by_last_segment_words(name, how):
 
 def test_reduce_metric_each_rule():
     assert reduce_metric("sample/dropped_stale_count", [1, 2, 3]) == 6
+    assert reduce_metric("distill/teacher_tokens_total", [10, 20, 5]) == 35
     assert reduce_metric("completions/max_length", [12, 40, 7]) == 40
     assert reduce_metric("clip_ratio/low_min", [0.3, 0.05, 0.2]) == 0.05
     assert reduce_metric("reward", [1.0, 0.0, 0.5, 0.5]) == 0.5
@@ -334,6 +343,49 @@ def test_console_live_stops_on_exception():
         raise KeyError("boom")
     assert not console._live_stack  # no live display left behind
     assert "reward" in console.file.getvalue()
+
+
+def test_console_live_routes_logging_through_its_console_and_restores_it(monkeypatch):
+    """While live, a terminal log handler is swapped for a RichHandler on the view's console (so records print
+    above the live region); file handlers stay; close() puts the original handler back."""
+    root = logging.getLogger()
+    terminal = logging.StreamHandler(sys.stderr)
+    to_file = logging.StreamHandler(io.StringIO())  # not a terminal stream: left alone
+    monkeypatch.setattr(root, "handlers", [terminal, to_file])
+    monkeypatch.setattr(root, "level", logging.INFO)
+    console = Console(file=io.StringIO(), force_terminal=True, width=100)
+    with ConsoleView("live", total_steps=4, console=console) as view:
+        (rich,) = [h for h in root.handlers if isinstance(h, RichHandler)]
+        assert rich.console is console and terminal not in root.handlers and to_file in root.handlers
+        logging.getLogger("asyncgrpo.test").info("saved checkpoint step-000002")
+        view.log(1, WINDOW)
+    assert root.handlers == [to_file, terminal]
+    assert "saved checkpoint step-000002" in Text.from_ansi(console.file.getvalue()).plain
+    assert "saved checkpoint" in to_file.stream.getvalue()
+
+
+def test_live_logging_keeps_a_handler_already_on_the_console(monkeypatch):
+    console = Console(file=io.StringIO(), force_terminal=True, width=100)
+    existing = RichHandler(console=console)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [existing])
+    routed = LiveLogging(console)
+    assert logging.getLogger().handlers == [existing]
+    routed.restore()
+    assert logging.getLogger().handlers == [existing]
+
+
+@pytest.mark.parametrize("width", [40, 60, 100, 160])
+def test_live_headline_fits_the_width(width):
+    console = Console(file=io.StringIO(), force_terminal=True, width=width)
+    view = ConsoleView("live", total_steps=4, console=console)
+    view.log(2, {**WINDOW, "loss": -0.0123, "sample/dropped_stale_count": 3, "perf/step_s": 38.2})
+    with console.capture() as capture:
+        console.print(view._render())
+    view.close()
+    lines = capture.get().splitlines()
+    assert max(console.measure(Text.from_ansi(line)).maximum for line in lines) <= width
+    cells = " ".join(lines)
+    assert all(label in cells for label in ("reward", "groups kept", "stale-dropped", "step_s"))
 
 
 def test_console_rejects_unknown_mode():

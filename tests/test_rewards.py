@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import pickle
 import re
+import subprocess
+import sys
+import textwrap
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -118,6 +121,51 @@ def test_accuracy_in_worker_threads():
         ]
         results = [f.result(timeout=60) for f in futures]
     assert results == [[1.0, 0.0, 1.0]] * 4
+
+
+# How the rollout process meets math-verify: rewards resolved by name, scored from a worker thread (no timeout),
+# with logging configured to print warnings. Prints the log to stderr.
+_SCORE_IN_THREAD = """
+import logging, sys, threading
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s: %(message)s")
+{setup}
+done = []
+def score():
+    {score}
+    done.append(True)
+t = threading.Thread(target=score)
+t.start()
+t.join(60)
+assert done, "scoring in the thread failed or timed out"
+"""
+
+
+def _stderr_of(setup: str, score: str) -> str:
+    code = textwrap.dedent(_SCORE_IN_THREAD).format(setup=setup, score=score)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stderr
+
+
+def test_math_verify_timeout_warnings_are_silenced_on_the_reward_path():
+    setup = (
+        "from asyncgrpo_cli.rollout.scoring import load_reward_funcs\nfuncs = load_reward_funcs(['accuracy'])"
+    )
+    score = (
+        "assert funcs[0].fn(completions=[r'\\boxed{{3}}'], solution=['3']) == [1.0]; "
+        "logging.getLogger('math_verify.parser').warning('another math-verify warning')"
+    )
+    err = _stderr_of(setup, score)
+    assert "Timeout is disabled" not in err
+    assert "math_verify.parser: another math-verify warning" in err  # only that message is dropped
+
+
+def test_math_verify_still_warns_without_our_filter():
+    """The control: math-verify alone prints both warnings from a thread, so the test above is not vacuous."""
+    setup = "from math_verify import parse, verify"
+    score = "verify(parse('3', parsing_timeout=None), parse('3', parsing_timeout=None), timeout_seconds=None)"
+    err = _stderr_of(setup, score)
+    assert err.count("Timeout is disabled") == 2, err
 
 
 # --- format ---------------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
-"""Built-in dataset: generated arithmetic word problems (offline, seeded), for the SmolLM2 quickstart.
+"""Built-in dataset: generated one-step addition word problems (offline, seeded), for the SmolLM2 quickstart.
 
-One or two operations on small numbers (apples, pears, coins, ...): SmolLM2-135M-Instruct solves some but not all,
-so the rewards of a group vary and GRPO has signal. Columns: ``prompt`` (chat messages) and ``solution`` (the
-exact answer as a string, e.g. ``"42"``), which the ``accuracy`` reward reads.
+Two numbers from 1 to 10 added, in three wordings (apples, pears, coins, ...): SmolLM2-135M-Instruct solves about a
+quarter of them at temperature 0.7, so the rewards of most groups vary and GRPO has signal on the task itself.
+Harder problems gave it nothing to learn from (measured, 6 problems x 8 samples each: subtraction 0% correct,
+multiplication 10%, two-step problems ~5% overall). Columns: ``prompt`` (chat messages) and ``solution`` (the
+exact answer as a string, e.g. ``"12"``), which the ``accuracy`` reward reads.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ if TYPE_CHECKING:
     from asyncgrpo_cli.config.schema import DataConfig
 
 # Keep in sync with asyncgrpo_cli.rewards.format.final_boxed (one \boxed{...}, at the very end). Chosen by measuring
-# SmolLM2-135M-Instruct (16 problems x 8 samples): at temperature 0.7 (the quickstart's) this wording gives ~5%
-# accuracy, ~31% format and a reward spread in 94% of groups at ~47 tokens per answer; "show your work" wordings
-# gave similar rewards at 2-4x the tokens, and at temperature 1.0 the model mostly produces gibberish.
+# SmolLM2-135M-Instruct (16 problems x 8 samples, earlier mixed one- and two-step problems): at temperature 0.7 (the
+# quickstart's) it kept answers at ~47 tokens; "show your work" wordings gave similar rewards at 2-4x the tokens,
+# and at temperature 1.0 the model mostly produces gibberish. On `_buys` below (6 x 8): ~27% correct, ~25% boxed.
 ANSWER_INSTRUCTION = (
     "Reply with one short sentence: the calculation, then the answer in \\boxed{}. "
     "Example: 3 + 4 = 7, so the answer is \\boxed{7}."
@@ -52,80 +54,30 @@ _ITEMS = [
     "shells",
     "cards",
 ]
-_TOYS = [
-    ("ball", "balls"),
-    ("kite", "kites"),
-    ("robot", "robots"),
-    ("puzzle", "puzzles"),
-    ("yo-yo", "yo-yos"),
-]
 
 Problem = tuple[str, int]
 
 
-def _add(r: random.Random, name: str, he: str, item: str) -> Problem:
+def _buys(r: random.Random, name: str, he: str, item: str) -> Problem:
     a, b = r.randint(1, 10), r.randint(1, 10)
     return f"{name} has {a} {item}. {he} buys {b} more. How many {item} does {name} have now?", a + b
 
 
-def _sub(r: random.Random, name: str, he: str, item: str) -> Problem:
-    a = r.randint(3, 15)
-    b = r.randint(1, a - 1)
+def _together(r: random.Random, name: str, he: str, item: str) -> Problem:
+    other = r.choice([p for p, _ in _PEOPLE if p != name])
+    a, b = r.randint(1, 10), r.randint(1, 10)
+    return f"{name} has {a} {item} and {other} has {b} {item}. How many {item} do they have together?", a + b
+
+
+def _places(r: random.Random, name: str, he: str, item: str) -> Problem:
+    a, b = r.randint(1, 10), r.randint(1, 10)
     return (
-        f"{name} has {a} {item} and gives {b} of them to a friend. How many {item} does {name} have left?",
-        a - b,
+        f"There are {a} {item} in a box and {b} {item} on the table. How many {item} are there in all?",
+        a + b,
     )
 
 
-def _mul(r: random.Random, name: str, he: str, item: str) -> Problem:
-    a, b = r.randint(2, 5), r.randint(2, 5)
-    return f"There are {a} baskets with {b} {item} in each basket. How many {item} are there in total?", a * b
-
-
-def _div(r: random.Random, name: str, he: str, item: str) -> Problem:
-    a, b = r.randint(2, 4), r.randint(2, 5)
-    return f"{name} shares {a * b} {item} equally among {a} friends. How many {item} does each friend get?", b
-
-
-def _add_sub(r: random.Random, name: str, he: str, item: str) -> Problem:
-    a, b = r.randint(2, 10), r.randint(1, 10)
-    c = r.randint(1, a + b - 1)
-    q = f"{name} has {a} {item}. {he} finds {b} more and then loses {c}. How many {item} does {name} have now?"
-    return q, a + b - c
-
-
-def _mul_add(r: random.Random, name: str, he: str, item: str) -> Problem:
-    a, b, c = r.randint(2, 4), r.randint(2, 5), r.randint(1, 10)
-    q = f"{name} buys {a} bags of {b} {item} and already has {c} {item}. How many {item} does {name} have in total?"
-    return q, a * b + c
-
-
-def _coins(r: random.Random, name: str, he: str, item: str) -> Problem:
-    toy, toys = r.choice(_TOYS)
-    k, price = r.randint(2, 3), r.randint(2, 5)
-    a = k * price + r.randint(0, 10)
-    q = f"{name} has {a} coins. One {toy} costs {price} coins. How many coins does {name} have left after buying {k} {toys}?"
-    return q, a - k * price
-
-
-def _share(r: random.Random, name: str, he: str, item: str) -> Problem:
-    other = r.choice([p for p, _ in _PEOPLE if p != name])
-    a, b = r.randint(1, 10), r.randint(1, 10)
-    c = r.randint(1, a + b - 1)
-    q = f"{name} has {a} {item} and {other} has {b} {item}. They give away {c} {item}. How many {item} do they have left?"
-    return q, a + b - c
-
-
-TEMPLATES: list[Callable[[random.Random, str, str, str], Problem]] = [
-    _add,
-    _sub,
-    _mul,
-    _div,
-    _add_sub,
-    _mul_add,
-    _coins,
-    _share,
-]
+TEMPLATES: list[Callable[[random.Random, str, str, str], Problem]] = [_buys, _together, _places]
 
 
 def generate_problems(n: int, seed: int) -> list[Problem]:

@@ -3,18 +3,25 @@
 Modes: ``live`` (a rich Live display that refreshes itself), ``plain`` (one line per logging window, for logs
 and CI), ``auto`` (live on a terminal, plain otherwise). Progress counts optimizer steps when ``max_steps`` is
 known, else prompts consumed out of the epoch-based total, else an indeterminate bar.
+
+While the live display runs, log records reach the terminal only through a ``RichHandler`` on the display's own
+console (the root logger's terminal handlers are swapped out, and restored on ``close()``): rich then prints each
+record above the live region instead of the record overwriting it and the region re-printing below. File
+handlers (Hydra's ``train.log``) are left alone. The headline metrics wrap between cells at the console width.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rich.columns import Columns
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.live import Live
+from rich.logging import RichHandler
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -81,6 +88,94 @@ def headline(metrics: Mapping[str, float]) -> list[tuple[str, str]]:
     return [(label, v) for label, read in HEADLINE if (v := read(metrics)) is not None]
 
 
+class _Cells:
+    """Headline cells laid out in as many lines as the width needs; a line breaks only between cells."""
+
+    def __init__(self, cells: Sequence[Text], gap: int = 3):
+        self.cells, self.gap = list(cells), gap
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        width = options.max_width
+        line = Text()
+        for cell in self.cells:
+            cell = cell.copy()
+            cell.truncate(width, overflow="ellipsis")  # a cell wider than the console alone
+            if line and line.cell_len + self.gap + cell.cell_len > width:
+                yield line
+                line = Text()
+            if line:
+                line.append(" " * self.gap)
+            line.append_text(cell)
+        if line:
+            yield line
+
+
+def _is_terminal_stream(stream: Any) -> bool:
+    return stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__) or bool(
+        getattr(stream, "isatty", lambda: False)()
+    )
+
+
+def _is_terminal_handler(handler: logging.Handler) -> bool:
+    """A handler that writes to the process's stdout/stderr (not a file): it would print through a live region."""
+    if isinstance(handler, RichHandler):
+        return _is_terminal_stream(handler.console.file)
+    if not isinstance(handler, logging.StreamHandler) or isinstance(handler, logging.FileHandler):
+        return False
+    return _is_terminal_stream(getattr(handler, "stream", None))
+
+
+_SHARED: Console | None = None
+
+
+def shared_console() -> Console:
+    """The process's console on stdout: routed logging and the live view must print through the same one."""
+    global _SHARED
+    if _SHARED is None:
+        _SHARED = Console()
+    return _SHARED
+
+
+class LiveLogging:
+    """Route the root logger's terminal output through ``console`` (a RichHandler) until ``restore()``.
+
+    The RichHandler takes the level of the handlers it replaces; with none (Python's last-resort handler prints
+    warnings to stderr), WARNING. When the root logger already prints through ``console``, nothing changes.
+    """
+
+    def __init__(self, console: Console):
+        root = logging.getLogger()
+        self.handler: RichHandler | None = None
+        self.replaced: list[logging.Handler] = []
+        if any(isinstance(h, RichHandler) and h.console is console for h in root.handlers):
+            return
+        self.replaced = [h for h in root.handlers if _is_terminal_handler(h)]
+        level = min((h.level for h in self.replaced), default=logging.WARNING)
+        self.handler = RichHandler(
+            level=level, console=console, show_path=False, markup=False, log_time_format="[%X]"
+        )
+        self.handler.setFormatter(logging.Formatter("%(message)s"))
+        for h in self.replaced:
+            root.removeHandler(h)
+        root.addHandler(self.handler)
+
+    def restore(self) -> None:
+        """Put the replaced handlers back (idempotent)."""
+        root = logging.getLogger()
+        if self.handler is not None and self.handler in root.handlers:
+            root.removeHandler(self.handler)
+            for h in self.replaced:
+                root.addHandler(h)
+
+
+def route_terminal_logging() -> None:
+    """On a terminal, print the process's log records through :func:`shared_console` for good (train calls
+    this once logging is configured), so lines before, during and after the live view fit the width."""
+    console = shared_console()
+    if console.is_terminal and not console.is_dumb_terminal:
+        LiveLogging(console)
+
+
 class _Clock:
     """Elapsed time and an ETA from the average pace since the first unit was done (startup excluded)."""
 
@@ -134,7 +229,7 @@ class ConsoleView:
     ):
         if mode not in CONSOLE_MODES:
             raise ValueError(f"logging.console must be one of {', '.join(CONSOLE_MODES)}, got {mode!r}")
-        self.console = console or Console()
+        self.console = console or shared_console()
         if mode == "auto":
             mode = "live" if self.console.is_terminal and not self.console.is_dumb_terminal else "plain"
         self.mode = mode
@@ -144,6 +239,7 @@ class ConsoleView:
         self.latest: dict[str, float] = {}
         self._clock = _Clock()
         self._live: Live | None = None
+        self._logging: LiveLogging | None = None
         if mode == "live":
             self._start_live()
 
@@ -166,13 +262,14 @@ class ConsoleView:
         )
         self._task = self._progress.add_task(unit, total=total, completed=done, extra="")
         self._live = Live(console=self.console, get_renderable=self._render, refresh_per_second=2)
+        self._logging = LiveLogging(self.console)
         self._live.start()
 
     def _render(self) -> RenderableType:
         cells = [
             Text.assemble((f"{label} ", "dim"), (value, "bold")) for label, value in headline(self.latest)
         ]
-        return Group(self._progress, Columns(cells, padding=(0, 3)))
+        return Group(self._progress, _Cells(cells))
 
     def update_progress(self, step: int, prompts_done: int | None = None) -> None:
         """Record progress (optimizer steps done; prompts consumed, when known)."""
@@ -222,8 +319,13 @@ class ConsoleView:
     def close(self) -> None:
         """Stop the live display (idempotent); the last frame stays on screen."""
         live, self._live = self._live, None
-        if live is not None:
-            live.stop()
+        routed, self._logging = self._logging, None
+        try:
+            if live is not None:
+                live.stop()
+        finally:
+            if routed is not None:
+                routed.restore()
 
     def __enter__(self) -> ConsoleView:
         return self

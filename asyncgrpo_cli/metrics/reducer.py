@@ -3,7 +3,7 @@
 Everything recorded since the previous log lives in one ``MetricWindow``. Three kinds of records:
 
 - **items** (``add`` / ``extend``): one value per rollout, sample, call or step. Reduced by name: if the last
-  path segment contains the word ``count`` the values are summed, ``max`` keeps the largest, ``min`` the smallest,
+  path segment contains the word ``count`` or ``total`` the values are summed, ``max`` keeps the largest, ``min`` the smallest,
   anything else is the mean over all items of the window (not a mean of per-step means).
 - **rates** (``add_rate``): numerator/denominator pairs reduced to sum(num) / sum(den), never a mean of ratios.
   They also serve as weighted means, e.g. a per-token mean reported per micro-batch as (sum, token count).
@@ -30,12 +30,13 @@ _KINDS = ("items", "rates", "gauges")
 def aggregation(name: str) -> Aggregation:
     """How an item metric is reduced over a window, from the words of the last path segment of its name.
 
-    Words are the '_'-separated parts (case-insensitive): ``sample/dropped_stale_count`` sums,
-    ``completions/max_length`` and ``sampling/importance_sampling_ratio/max`` keep the maximum,
-    ``clip_ratio/low_min`` the minimum; ``maximum`` or ``country`` are not the words ``max`` / ``count``.
+    Words are the '_'-separated parts (case-insensitive): ``sample/dropped_stale_count`` and
+    ``distill/teacher_tokens_total`` sum, ``completions/max_length`` and ``sampling/importance_sampling_ratio/max`` keep the maximum,
+    ``clip_ratio/low_min`` the minimum; ``maximum``, ``country`` or ``totally`` are not the words ``max`` /
+    ``count`` / ``total``.
     """
     words = name.rsplit("/", 1)[-1].lower().split("_")
-    if "count" in words:
+    if "count" in words or "total" in words:
         return "sum"
     if "max" in words:
         return "max"

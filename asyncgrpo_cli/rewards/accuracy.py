@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -11,6 +12,20 @@ from asyncgrpo_cli.rewards.format import completion_text
 # (elsewhere math-verify raises ValueError), so reward threads run without it; completions are bounded by
 # sampling.max_completion_length, which keeps parsing short.
 _MAIN_THREAD_TIMEOUT_S = 5
+
+
+# Without a timeout, math-verify's parse and verify each warn once per process ("Timeout is disabled as ...
+# you must provide the logic for timeout interuption yourself"): the note above is that logic, so those two
+# records are dropped. Only they are: other math-verify records and all other loggers pass unchanged.
+_TIMEOUT_WARNING = "Timeout is disabled as "
+
+
+def _drop_timeout_warning(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_TIMEOUT_WARNING)
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):  # the loggers that emit it (math-verify 0.9)
+    logging.getLogger(_name).addFilter(_drop_timeout_warning)  # idempotent: addFilter skips a known filter
 
 
 def _timeout() -> int | None:

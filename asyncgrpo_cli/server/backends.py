@@ -12,6 +12,7 @@ from pathlib import Path
 
 from asyncgrpo_cli.config.schema import ServerConfig
 from asyncgrpo_cli.errors import UserError
+from asyncgrpo_cli.server.child import ServerChild
 from asyncgrpo_cli.server.control import ServerControl, ServerInfo
 
 
@@ -19,12 +20,21 @@ class ServerBackend:
     base_url: str
     info: ServerInfo
     control: ServerControl
+    child: ServerChild | None = None
+    """The server process when the backend started one (embedded, vllm_launch); None for an external server."""
 
     def start(self) -> ServerInfo:
         raise NotImplementedError
 
     def stop(self) -> None:
         raise NotImplementedError
+
+    def check_alive(self) -> None:
+        """Raise ``ServerExitedError`` (pid, status, log and its tail) once the server process this backend
+        started has exited. The trainer calls it while it waits for samples: the run fails at once, it does not
+        restart the server. A no-op for an external server (the rollout link's deadline covers those)."""
+        if self.child is not None:
+            self.child.raise_if_exited()
 
     def _connect(self, cfg: ServerConfig) -> ServerInfo:
         self.control = ServerControl(self.base_url, cfg.timeout)
@@ -60,6 +70,7 @@ class EmbeddedBackend(ServerBackend):
             log_path=Path(run_dir) / "embedded_server.log",
             startup_timeout=cfg.startup_timeout,
         )
+        self.child = self.process.child
 
     def start(self) -> ServerInfo:
         self.process.start()

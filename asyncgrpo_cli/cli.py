@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import traceback
 from pathlib import Path
 
 from asyncgrpo_cli import __version__
-from asyncgrpo_cli.errors import UserError
+from asyncgrpo_cli.errors import RunFailure, UserError
 
 USAGE = f"""asyncgrpo {__version__}: asynchronous RL post-training of LLMs (async GRPO), configured with Hydra.
 
@@ -33,7 +34,12 @@ examples:
   asyncgrpo check --explain sampling
 """
 
-_failures: list[str] = []
+EXIT_USER_ERROR = 2
+"""A mistake the user can fix (config, data, checkpoint, server URL, a busy run directory): ``UserError``."""
+EXIT_FAILED = 1
+"""The run failed otherwise (a crashed process, a reward function that raised, a lost server, a bug)."""
+_failures: list[tuple[str, int]] = []
+"""(job, exit status) of each failed Hydra job; its message was printed once, when it failed."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,14 +60,32 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as e:
         _die(str(e))
     except KeyboardInterrupt:
-        _die("interrupted", code=130)
+        _exit_now("interrupted", code=130)
     except Terminated:
-        _die("terminated (SIGTERM); the run's processes were stopped", code=143)
+        _exit_now("terminated (SIGTERM); the run's processes were stopped", code=143)
 
 
 def _die(message: str, code: int = 2) -> None:
     print(f"asyncgrpo: error: {message}", file=sys.stderr)
     raise SystemExit(code)
+
+
+def _exit_now(message: str, code: int) -> None:
+    """Ctrl-C or SIGTERM: the run's ``finally`` has stopped everything it started; end the process without the
+    interpreter's teardown of torch and friends (3 s of a Ctrl-C on a busy 2-core machine)."""
+    import atexit
+
+    print(f"asyncgrpo: error: {message}", file=sys.stderr)
+    try:
+        atexit._run_exitfuncs()  # what a normal exit runs first (logging, multiprocessing's semaphores, ...)
+    except BaseException:  # noqa: BLE001 - a second Ctrl-C here must not keep the process alive
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 # ---------------------------------------------------------------------------------------------------- train
@@ -92,7 +116,15 @@ def _train(args: list[str]) -> None:
         sys.argv = saved
         signal.signal(signal.SIGTERM, previous)
     if _failures:
-        _die("\n".join(_failures), code=1)
+        codes = {code for _, code in _failures}
+        code = EXIT_USER_ERROR if codes == {EXIT_USER_ERROR} else EXIT_FAILED
+        if len(_failures) == 1 and not _multirun(args):
+            raise SystemExit(code)  # its one message is out already
+        _die(f"{len(_failures)} job(s) failed: {', '.join(job for job, _ in _failures)}", code=code)
+
+
+def _multirun(args: list[str]) -> bool:
+    return "-m" in args or "--multirun" in args
 
 
 class Terminated(BaseException):
@@ -152,23 +184,51 @@ def _train_job(dcfg) -> None:
     main_rank = int(os.environ.get("RANK", "0")) == 0
     if not main_rank:
         logging.getLogger().setLevel(logging.WARNING)  # one rank speaks
+    from contextlib import nullcontext
+
+    from asyncgrpo_cli.train.lock import run_dir_lock
+
     try:
         cfg = to_root_config(dcfg)
         run_dir.mkdir(parents=True, exist_ok=True)
-        if main_rank:
-            write_resolved(cfg, run_dir / "resolved.yaml")
-        from asyncgrpo_cli.train.run import run_train
+        with run_dir_lock(run_dir) if main_rank else nullcontext():  # one training per run directory
+            if main_rank:
+                write_resolved(cfg, run_dir / "resolved.yaml")
+            from asyncgrpo_cli.train.run import run_train
 
-        state = run_train(cfg, run_dir)
+            state = run_train(cfg, run_dir)
         log.info("finished: %d steps, model version %d, run dir %s", state.step, state.model_version, run_dir)
     except UserError as e:
-        _failures.append(f"{label} ({run_dir}): {e}")
-        print(f"asyncgrpo: error: {e}", file=sys.stderr)
-    except Exception as e:  # a bug or a failed process: keep the traceback, let the sweep go on
-        tb = traceback.format_exc()
-        (run_dir / "error.log").write_text(tb) if run_dir.is_dir() else None
-        _failures.append(f"{label} ({run_dir}) failed: {type(e).__name__}: {e}")
-        print(tb, file=sys.stderr)
+        _job_failed(label, run_dir, str(e), EXIT_USER_ERROR)
+    except Exception as e:  # a bug or a failed process: one line here, the traceback in error.log
+        _job_failed(
+            label, run_dir, str(e) if isinstance(e, RunFailure) else f"{type(e).__name__}: {e}", EXIT_FAILED
+        )
+
+
+def _job_failed(label: str, run_dir: Path, message: str, code: int) -> None:
+    """Print the failure once (``asyncgrpo: error: ...``), keep the traceback in ``RUN_DIR/error.log``, and
+    record it so a sweep's other jobs run and the process exits with the documented status."""
+    from asyncgrpo_cli.train.lock import RunDirBusyError
+
+    error = sys.exc_info()[1]
+    where = ""
+    if not isinstance(error, RunDirBusyError):  # that directory belongs to the training that holds it
+        details = traceback.format_exc()
+        remote = getattr(error, "remote_traceback", "")
+        if remote:
+            details += f"\n--- rollout process traceback ---\n{remote}"
+        rank = int(os.environ.get("RANK", "0"))
+        log_path = run_dir / ("error.log" if rank == 0 else f"error-rank{rank}.log")
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            log_path.write_text(f"asyncgrpo: error: {message}\n\n{details}")
+            where = f" (traceback: {log_path})" if code != EXIT_USER_ERROR else ""
+        except OSError:
+            print(details, file=sys.stderr)  # nowhere to keep it
+    prefix = f"{label} ({run_dir}): " if label != "run" else ""
+    print(f"asyncgrpo: error: {prefix}{message}{where}", file=sys.stderr)
+    _failures.append((f"{label} ({run_dir})", code))
 
 
 # ---------------------------------------------------------------------------------------------------- check

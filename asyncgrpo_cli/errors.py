@@ -6,7 +6,8 @@ from __future__ import annotations
 class UserError(Exception):
     """A mistake the user can fix (config key, dataset column, server URL, ...).
 
-    The CLI prints the message alone, without a traceback, and exits with status 2.
+    The CLI prints the message alone, without a traceback, and exits with status 2 (any other failure of a run:
+    status 1, one line, the traceback in the run directory's ``error.log``).
     """
 
 
@@ -19,5 +20,18 @@ class ConfigError(UserError):
         super().__init__(f"invalid configuration ({len(self.errors)} problem(s)):\n{lines}")
 
 
-class RolloutWorkerError(RuntimeError):
-    """The rollout process failed or stopped answering; the message carries its traceback."""
+class RunFailure(RuntimeError):
+    """A run failed for a reason its message states in full: the CLI prints the message alone (no type name)."""
+
+
+class RolloutWorkerError(RunFailure):
+    """The rollout process failed or stopped answering. The message is the failure in a line or two (a reward
+    error names the function and the row); ``remote_traceback`` holds the process's traceback (``error.log``)."""
+
+    def __init__(self, message: str, remote_traceback: str = ""):
+        super().__init__(message)
+        self.remote_traceback = remote_traceback
+
+
+class ServerExitedError(RunFailure):
+    """A server the run started (embedded, vllm_launch) exited while the run needed it; names pid, status, log."""

@@ -66,6 +66,11 @@ class ServerBackend(Protocol):
 
     def stop(self) -> None: ...
 
+    def check_alive(self) -> None:
+        """Raise a ``UserError`` (pid, exit status, log tail) once a server process this backend started has
+        exited; a no-op for a server it does not own. The trainer calls it while it waits for samples."""
+        ...
+
     @classmethod
     def plan(cls, cfg: ServerConfig) -> tuple[str, int | None]:
         """``asyncgrpo check``'s server line, and the server's ``max_model_len`` when the config sets it (None:

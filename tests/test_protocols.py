@@ -80,6 +80,7 @@ def test_the_check_sees_a_missing_member():
         def stop(self): ...
 
     assert [m for m in members(ServerBackend) if not has(Incomplete, m)] == [
+        "check_alive",
         "plan",
         "probe_preview",
         "max_model_len_fix",

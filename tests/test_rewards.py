@@ -149,7 +149,7 @@ def _stderr_of(setup: str, score: str) -> str:
 
 def test_math_verify_timeout_warnings_are_silenced_on_the_reward_path():
     setup = (
-        "from asyncgrpo_cli.rollout.scoring import load_reward_funcs\nfuncs = load_reward_funcs(['accuracy'])"
+        "from asyncgrpo_cli.rollout.rewards import load_reward_funcs\nfuncs = load_reward_funcs(['accuracy'])"
     )
     score = (
         "assert funcs[0].fn(completions=[r'\\boxed{{3}}'], solution=['3']) == [1.0]; "

@@ -4,7 +4,9 @@ The trainer talks to it through shared state only: the rollout queue (samples an
 the token allowance, a consumed-tokens counter, a wall-clock heartbeat, a failure event with the remote traceback,
 a stop event, a metrics queue, and the server link (``rollout.resync``: server lost, weights to push again).
 Every wait on the trainer side has a timeout: a crash in the rollout process stops training with that traceback,
-and a hung process (no heartbeat for ``rollout_worker_timeout``) too.
+and a hung process (no heartbeat for ``rollout_worker_timeout``) too, and a server the run owns that exited
+(``server_check``). The process watches the trainer from its first moment (``rollout/child.py``), so a killed
+trainer never leaves it behind.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ import os
 import pickle
 import queue
 import time
-import traceback
+from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from asyncgrpo_cli.errors import RolloutWorkerError, UserError
-from asyncgrpo_cli.rollout.resync import ServerLink, new_link_array
+from asyncgrpo_cli.rollout.child import SharedState, child_entry
+from asyncgrpo_cli.rollout.resync import ServerLink
+from asyncgrpo_cli.rollout.worker import RolloutSpec
 
 # Environment variables that must not leak into the rollout process (it has no GPU and is not a torch rank).
 _STRIP_ENV = (
@@ -37,109 +40,8 @@ _STRIP_ENV = (
     "TORCHELASTIC_MAX_RESTARTS",
 )
 QUEUE_POLL_S = 1.0
-
-
-@dataclass
-class SharedState:
-    rollout_buffer: Any
-    metrics_queue: Any
-    exception_queue: Any
-    model_version: Any
-    token_allowance: Any
-    consumed_tokens: Any
-    heartbeat: Any
-    failed_event: Any
-    stop_event: Any
-    ready_event: Any
-    server_link: Any
-
-    @classmethod
-    def create(cls, ctx: Any) -> SharedState:
-        return cls(
-            rollout_buffer=ctx.Queue(),
-            metrics_queue=ctx.Queue(maxsize=10_000),
-            exception_queue=ctx.Queue(maxsize=1),
-            model_version=ctx.Value("q", 0, lock=False),
-            token_allowance=ctx.Value("q", 0, lock=False),
-            consumed_tokens=ctx.Value("q", 0, lock=False),
-            heartbeat=ctx.Value("d", time.time(), lock=False),
-            failed_event=ctx.Event(),
-            stop_event=ctx.Event(),
-            ready_event=ctx.Event(),
-            server_link=new_link_array(ctx),
-        )
-
-
-@dataclass
-class RolloutSpec:
-    """What the child needs to build its loop; pickled once at start (fail fast on unpicklable user code)."""
-
-    loop_target: str
-    settings: Any
-    dataset: Any
-    reward_entries: list[Any]
-
-
-def _child_main(spec: RolloutSpec, shared: SharedState) -> None:
-    """Entry point of the spawned process."""
-    import asyncio
-
-    try:
-        from asyncgrpo_cli import registry
-        from asyncgrpo_cli.rollout.rewards import load_reward_funcs
-
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        from transformers import AutoTokenizer
-
-        loop_cls = registry.resolve("rollout_loop", spec.loop_target)
-        tokenizer = AutoTokenizer.from_pretrained(spec.settings.tokenizer_path)
-        funcs = load_reward_funcs(spec.reward_entries)
-        loop = loop_cls(spec.settings, spec.dataset, funcs, tokenizer, shared)
-        shared.heartbeat.value = time.time()
-        shared.ready_event.set()
-        asyncio.run(_run_until_stopped(loop, shared))
-    except BaseException as e:  # report everything, including KeyboardInterrupt, then re-raise
-        info = (type(e).__name__, str(e), traceback.format_exc())
-        try:
-            shared.exception_queue.put_nowait(
-                info
-            )  # info before the event: a reader seeing the event sees it
-        except Exception:
-            pass
-        shared.failed_event.set()
-        raise
-
-
-async def _run_until_stopped(loop: Any, shared: SharedState) -> None:
-    import asyncio
-
-    parent = os.getppid()
-    main = asyncio.create_task(loop.run())
-    while not main.done():
-        if os.getppid() != parent:  # the trainer died without stopping us (SIGKILL, OOM): do not linger
-            shared.stop_event.set()
-        if shared.stop_event.is_set():
-            main.cancel()
-            break
-        await asyncio.sleep(0.1)
-    try:
-        await main
-    except asyncio.CancelledError:
-        if not shared.stop_event.is_set():
-            raise
-        _abandon_queues(shared)
-        return
-    # Every prompt was generated: stay alive (and beating) until the trainer has drained the queue and stops us.
-    while not shared.stop_event.is_set() and os.getppid() == parent:
-        shared.heartbeat.value = time.time()
-        await asyncio.sleep(0.2)
-    _abandon_queues(shared)
-
-
-def _abandon_queues(shared: SharedState) -> None:
-    """On stop, exit without flushing unread items into the pipes (the trainer no longer reads them)."""
-    for q in (shared.rollout_buffer, shared.metrics_queue):
-        q.cancel_join_thread()
+STOP_GRACE_S = 5.0
+"""How long ``stop`` waits for the process to see the stop event before it terminates it."""
 
 
 @contextmanager
@@ -172,10 +74,12 @@ class RolloutProcess:
         self.process: Any = None
         self.on_idle: Any = None
         """Called (no arguments) while ``get`` waits on an empty queue: the trainer resyncs weights from here."""
+        self.server_check: Callable[[], None] | None = None
+        """Called by ``check_health``: raises once a server the run owns has exited (``ServerBackend.check_alive``)."""
 
     def start(self) -> None:
         try:
-            pickle.dumps(self.spec)
+            blob = pickle.dumps(self.spec)
         except Exception as e:
             raise UserError(
                 f"the rollout process's inputs cannot be pickled ({type(e).__name__}: {e}); reward functions, "
@@ -184,7 +88,10 @@ class RolloutProcess:
             ) from e
         with _child_environment():
             self.process = self.ctx.Process(
-                target=_child_main, args=(self.spec, self.shared), daemon=True, name="asyncgrpo-rollout"
+                target=child_entry,
+                args=(os.getpid(), blob, self.shared),
+                daemon=True,
+                name="asyncgrpo-rollout",
             )
             self.process.start()
         deadline = time.monotonic() + self.start_timeout
@@ -236,6 +143,8 @@ class RolloutProcess:
 
     def check_health(self) -> None:
         self._raise_if_failed()
+        if self.server_check is not None:
+            self.server_check()
         age = time.time() - self.shared.heartbeat.value
         if age > self.worker_timeout:
             raise RolloutWorkerError(
@@ -249,9 +158,7 @@ class RolloutProcess:
                 name, msg, tb = self.shared.exception_queue.get(timeout=5)
             except queue.Empty:
                 name, msg, tb = "Unknown", "no details", ""
-            raise RolloutWorkerError(
-                f"the rollout process failed: {name}: {msg}\n--- rollout process traceback ---\n{tb}"
-            )
+            raise RolloutWorkerError(f"the rollout process failed: {name}: {msg}", remote_traceback=tb)
         if self.process is not None and not self.process.is_alive():
             raise RolloutWorkerError(
                 f"the rollout process exited unexpectedly (exit code {self.process.exitcode})"
@@ -262,7 +169,7 @@ class RolloutProcess:
         if self.process is None:
             return
         self.shared.stop_event.set()
-        self.process.join(15)
+        self.process.join(STOP_GRACE_S)
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(5)

@@ -15,6 +15,7 @@ from asyncgrpo_cli import registry
 from asyncgrpo_cli.config.schema import RootConfig, ServerConfig
 from asyncgrpo_cli.errors import UserError
 from asyncgrpo_cli.protocols import ServerBackend
+from asyncgrpo_cli.server.child import ServerChild
 from asyncgrpo_cli.server.control import ServerControl, ServerInfo
 
 
@@ -25,6 +26,8 @@ class BaseServerBackend(ServerBackend):
     base_url: str
     info: ServerInfo
     control: ServerControl | None = None
+    child: ServerChild | None = None
+    """The server process when the backend started one (embedded, vllm_launch); None for an external server."""
 
     def start(self) -> ServerInfo:
         raise NotImplementedError
@@ -46,6 +49,13 @@ class BaseServerBackend(ServerBackend):
     @classmethod
     def max_model_len_fix(cls, need_len: int, completion: int) -> str:
         return f"or lower sampling.max_completion_length={completion}"
+
+    def check_alive(self) -> None:
+        """Raise ``ServerExitedError`` (pid, status, log and its tail) once the server process this backend
+        started has exited. The trainer calls it while it waits for samples: the run fails at once, it does not
+        restart the server. A no-op for an external server (the rollout link's deadline covers those)."""
+        if self.child is not None:
+            self.child.raise_if_exited()
 
     def _connect(self, cfg: ServerConfig) -> ServerInfo:
         self.control = ServerControl(self.base_url, cfg.timeout)
@@ -83,6 +93,7 @@ class EmbeddedBackend(BaseServerBackend):
             log_path=Path(run_dir) / "embedded_server.log",
             startup_timeout=cfg.startup_timeout,
         )
+        self.child = self.process.child
 
     @classmethod
     def plan(cls, cfg: ServerConfig) -> tuple[str, int | None]:

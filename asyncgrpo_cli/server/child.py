@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from asyncgrpo_cli.errors import UserError
+from asyncgrpo_cli.errors import ServerExitedError, UserError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -107,6 +107,18 @@ class ServerChild:
         """None while the child runs (or was never started), else its exit status."""
         return None if self.proc is None else self.proc.poll()
 
+    def raise_if_exited(self) -> None:
+        """Raise ``ServerExitedError`` when the child exited on its own (``stop()`` forgets the child first)."""
+        proc = self.proc
+        code = None if proc is None else proc.poll()
+        if code is None:
+            return
+        status = f"{code}" if code >= 0 else f"{code} (killed by {_signal_name(-code)})"
+        raise ServerExitedError(
+            f"{self.what} (pid {proc.pid}) exited with status {status}; log: {self.log_path}\n"
+            f"{self.tail()}\nThe run does not restart a server it started: resume it with trainer.resume=auto."
+        )
+
     def wait_until(
         self,
         ready: Callable[[], T | None],
@@ -155,6 +167,13 @@ class ServerChild:
             proc.wait(timeout=10.0)
         except subprocess.TimeoutExpired:
             log.error("%s (pid %d) survived SIGKILL", self.what, pgid)
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
 
 
 def _signal_group(pgid: int, sig: int) -> None:

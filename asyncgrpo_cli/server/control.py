@@ -4,6 +4,8 @@ pause/resume, ``collective_rpc``, prefix-cache reset, weight version. Every call
 
 from __future__ import annotations
 
+import errno
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +13,23 @@ from typing import Any
 import httpx
 
 from asyncgrpo_cli.errors import UserError
+
+log = logging.getLogger(__name__)
+BACKOFF_START_S = 0.1
+BACKOFF_MAX_S = 2.0
+REPORT_EVERY_S = 15.0
+"""How often ``wait_ready`` logs the time left while the server is not up."""
+
+
+def _refused(e: BaseException) -> bool:
+    """True when the connect was refused (nothing listens), as opposed to a DNS failure or a timeout."""
+    while e is not None:
+        if isinstance(e, ConnectionRefusedError) or getattr(e, "errno", None) == errno.ECONNREFUSED:
+            return True
+        if "refused" in str(e).lower():
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 class ServerControlError(RuntimeError):
@@ -35,25 +54,63 @@ class ServerControl:
         self._client.close()
 
     # -- readiness ---------------------------------------------------------------------------------------------
-    def wait_ready(self, startup_timeout: float, key: str = "server.startup_timeout") -> None:
-        """Poll ``/health`` until it answers 200; raise a UserError naming the URL and the key after the timeout."""
-        deadline = time.monotonic() + startup_timeout
-        last = "no answer"
+    def wait_ready(
+        self,
+        startup_timeout: float,
+        key: str = "server.startup_timeout",
+        url_key: str = "server.base_url",
+        report_every_s: float = REPORT_EVERY_S,
+    ) -> None:
+        """Poll ``/health`` until it answers 200, with backoff; raise a UserError naming ``url_key`` and ``key``
+        after ``startup_timeout``. A refused connection is said at once ("nothing listens on HOST:PORT"), and
+        the time left is logged every ``report_every_s`` seconds, so a wrong URL is not a silent wait."""
+        t0 = time.monotonic()
+        deadline = t0 + startup_timeout
+        next_report = t0 + report_every_s
+        last, refused_said, pause = "no answer", False, BACKOFF_START_S
         while True:
             try:
                 resp = self._client.get("/health", timeout=min(10.0, max(0.5, deadline - time.monotonic())))
                 if resp.status_code == 200:
                     return
                 last = f"HTTP {resp.status_code}"
+            except httpx.ConnectError as e:
+                last = f"connection refused ({e})" if _refused(e) else f"{type(e).__name__}: {e}"
+                if _refused(e) and not refused_said:
+                    refused_said = True
+                    log.warning(
+                        "nothing listens on %s (%s=%s): retrying until %s=%gs runs out",
+                        self._host_port(),
+                        url_key,
+                        self.base_url,
+                        key,
+                        startup_timeout,
+                    )
             except httpx.HTTPError as e:
                 last = f"{type(e).__name__}: {e}"
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 raise UserError(
                     f"the generation server at {self.base_url} did not answer GET /health within {key}="
-                    f"{startup_timeout:g}s (last: {last}). Start it (see the README for the vllm serve command) "
-                    "or fix server.base_url."
+                    f"{startup_timeout:g}s (last: {last}). Start it (see the README for the vllm serve command), "
+                    f"fix {url_key}, or raise {key}."
                 )
-            time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
+            if now >= next_report:
+                log.info(
+                    "waiting for the generation server at %s (last: %s): %.0fs left of %s=%gs",
+                    self.base_url,
+                    last,
+                    deadline - now,
+                    key,
+                    startup_timeout,
+                )
+                next_report = now + report_every_s
+            time.sleep(min(pause, max(0.05, deadline - now)))
+            pause = min(pause * 2, BACKOFF_MAX_S)
+
+    def _host_port(self) -> str:
+        url = httpx.URL(self.base_url)
+        return f"{url.host}:{url.port or (443 if url.scheme == 'https' else 80)}"
 
     def info(self) -> ServerInfo:
         data = self._json("GET", "/v1/models")

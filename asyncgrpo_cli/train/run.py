@@ -92,7 +92,15 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
         if tr.resume == "auto" and resume_path is None and info.is_main:
             logger.info("trainer.resume=auto: no checkpoint in %s, starting fresh", run_dir)
         resume = read_resume_state(resume_path) if resume_path else None
+        if resume and info.is_main:
+            _warn_if_data_changed(resume, cfg)
         state = resume.trainer if resume else TrainerState()
+        if tr.max_steps > 0 and state.step >= tr.max_steps:  # a finished run: start nothing, save nothing
+            if info.is_main:
+                logger.info(
+                    "%s is at step %d: trainer.max_steps=%d is reached", resume.path, state.step, tr.max_steps
+                )
+            return state
         tracker = PromptTracker.from_state(resume.rollout) if resume else PromptTracker()
 
         model_path = resolve_model_path(cfg.model.name_or_path) if info.is_main else None
@@ -139,6 +147,20 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
         if info.is_main:
             _start_rollout(cfg, run_dir, main, parts, window, stack)
         return Trainer(cfg, run_dir, parts, window).train()
+
+
+def _warn_if_data_changed(resume: Any, cfg: RootConfig) -> None:
+    from asyncgrpo_cli.train.checkpoint import data_changes
+
+    changes = data_changes(resume.data, cfg.data)
+    if changes:
+        logger.warning(
+            "resuming from %s with other prompts than it trained on (%s): its progress (rollout_state.json) "
+            "counts rows of the old data, so rows of the new data may be skipped or trained twice; resume with "
+            "the old data, or start a fresh run in another hydra.run.dir",
+            resume.path,
+            "; ".join(changes),
+        )
 
 
 class _MainSide:
@@ -223,6 +245,7 @@ def _start_rollout(
         start_timeout=cfg.rollout.start_timeout,
     )
     rollout.set_model_version(state.model_version)
+    rollout.server_check = main.server.check_alive  # an owned server that exits: fail now
     stack.callback(rollout.stop)
     rollout.start()
     metrics_logger = MetricsLogger(
@@ -238,4 +261,4 @@ def _start_rollout(
         rollout, planner, tracker, cfg.rollout.max_staleness, tr.gradient_accumulation_steps, window
     )
     parts.rollout, parts.metrics_logger = rollout, metrics_logger
-    parts.token_budget, parts.total_prompts = main.token_budget, total_prompts
+    parts.total_prompts = total_prompts

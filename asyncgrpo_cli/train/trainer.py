@@ -21,7 +21,7 @@ from asyncgrpo_cli.config.schema import RootConfig
 from asyncgrpo_cli.metrics.reducer import MetricWindow
 from asyncgrpo_cli.rollout.resync import server_unreachable
 from asyncgrpo_cli.train.batching import StepBatch, StepCollector
-from asyncgrpo_cli.train.checkpoint import TrainerState, save_checkpoint
+from asyncgrpo_cli.train.checkpoint import TrainerState, data_identity, save_checkpoint
 from asyncgrpo_cli.train.distributed import DistInfo, RankStep, reduce_raw_metrics, scatter_step
 from asyncgrpo_cli.train.losses import merge_metric_parts
 from asyncgrpo_cli.train.progress import PromptTracker
@@ -49,7 +49,6 @@ class TrainParts:
     collector: StepCollector | None = None
     rollout: Any = None
     metrics_logger: Any = None
-    token_budget: int = 0
     total_prompts: int | None = None
 
 
@@ -62,7 +61,7 @@ class Trainer:
         self.window = window
         s = cfg.sampling
         self.temperature = s.temperature if s.temperature >= 1e-5 else 1.0
-        self._last_save_step = -1
+        self._last_save_step = parts.state.step if parts.state.step > 0 else -1  # resumed: that step is saved
         self._last_logged_step = parts.state.step
         self._push_owed = False  # a scheduled weight push did not reach the server (rollout.resync)
 
@@ -284,6 +283,7 @@ class Trainer:
             self.cfg.trainer.save_total_limit,
             self.info,
             save_hf_model=self.cfg.trainer.save_hf_model,
+            data=data_identity(self.cfg.data),
         )
         self._last_save_step = p.state.step
         if self.info.is_main:

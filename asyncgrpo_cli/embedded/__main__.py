@@ -10,29 +10,13 @@ covers a parent that died before the child got that far.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo_cli.parent_watch import watch_parent
+
 PORT_IN_USE_EXIT = 3
-WATCH_INTERVAL_S = 0.5
-
-
-def watch_parent(parent_pid: int, interval: float = WATCH_INTERVAL_S) -> None:
-    """SIGTERM ourselves once ``parent_pid`` is no longer our parent (we were re-parented: it died)."""
-    if os.getppid() != parent_pid:
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(interval)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def read_spec(path: str) -> dict[str, Any]:

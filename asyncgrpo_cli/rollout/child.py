@@ -15,15 +15,12 @@ multiprocessing primitives. ``child_entry`` then
 
 from __future__ import annotations
 
-import os
 import signal
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-WATCH_INTERVAL_S = 0.5
+from asyncgrpo_cli.parent_watch import watch_parent
 
 
 @dataclass
@@ -59,33 +56,6 @@ class SharedState:
             ready_event=ctx.Event(),
             server_link=new_link_array(ctx),
         )
-
-
-def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
-    """Linux: deliver ``sig`` to this process when its parent thread exits. False where unavailable."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        return ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(sig)) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def watch_parent(parent_pid: int, interval: float = WATCH_INTERVAL_S) -> None:
-    """Die (SIGTERM ourselves) once ``parent_pid`` is no longer our parent: it was killed (SIGKILL, OOM)."""
-    set_parent_death_signal(signal.SIGTERM)
-    if os.getppid() != parent_pid:  # it died before the death signal was armed
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(interval)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def child_entry(parent_pid: int, spec_blob: bytes, shared: SharedState) -> None:

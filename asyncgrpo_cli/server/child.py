@@ -20,13 +20,13 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 from asyncgrpo_cli.errors import ServerExitedError, UserError
+from asyncgrpo_cli.parent_watch import die_with_parent
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,25 +53,6 @@ def free_port(host: str) -> int:
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` asking Linux to SIGTERM the child when its parent dies (a SIGKILLed test, an OOM kill).
-    libc is resolved here, in the parent: the child only makes one system call before ``exec``."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-    return preexec
 
 
 class ServerChild:

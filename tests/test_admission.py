@@ -4,6 +4,7 @@ stdlib fake server): the loop fails within ``server.timeout``, or resumes when t
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -267,3 +268,33 @@ def test_the_lost_server_reaches_the_trainer_as_the_rollout_process_error(tiny_m
     assert "the rollout process failed: ServerLostError" in msg and srv.base_url in msg
     assert "server.timeout=2s" in msg and "--- rollout process traceback ---" in msg
     assert took < 15
+
+
+@pytest.mark.slow
+def test_rollout_process_warnings_reach_the_trainers_handlers(tiny_model_dir, caplog):
+    """A warning logged in the rollout process (here by a reward function) is handed to the trainer's logging,
+    so the live console prints it above its progress block and train.log keeps it."""
+    from asyncgrpo_cli.rollout.process import RolloutProcess, RolloutSpec
+
+    srv = FakeVllmServer().start()
+    loop, _ = make_loop(srv, server_timeout=10.0, total_prompts=None)
+    settings = loop.settings
+    settings.tokenizer_path = str(tiny_model_dir)
+    rows = [{"prompt": [{"role": "user", "content": f"{i} + {i}"}]} for i in range(4)]
+    rollout = RolloutProcess(
+        RolloutSpec("default", settings, rows, ["tests.helpers.bad_rewards:warning_reward"]),
+        worker_timeout=120,
+        start_timeout=120,
+    )
+    caplog.set_level(logging.WARNING, logger="my_pkg.rewards")
+    try:
+        rollout.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "warning_reward saw" not in caplog.text:
+            rollout.get(timeout=1.0)
+            rollout.drain_metrics()
+    finally:
+        rollout.stop()
+        srv.stop()
+    assert "warning_reward saw 2 completions" in caplog.text
+    assert any(r.name == "my_pkg.rewards" and r.levelno == logging.WARNING for r in caplog.records)

@@ -29,6 +29,8 @@ class SharedState:
 
     rollout_buffer: Any
     metrics_queue: Any
+    log_queue: Any
+    """Log records of WARNING and above, forwarded to the trainer's handlers (``rollout.worker.forward_logging``)."""
     exception_queue: Any
     model_version: Any
     token_allowance: Any
@@ -46,6 +48,7 @@ class SharedState:
         return cls(
             rollout_buffer=ctx.Queue(),
             metrics_queue=ctx.Queue(maxsize=10_000),
+            log_queue=ctx.Queue(maxsize=1_000),
             exception_queue=ctx.Queue(maxsize=1),
             model_version=ctx.Value("q", 0, lock=False),
             token_allowance=ctx.Value("q", 0, lock=False),

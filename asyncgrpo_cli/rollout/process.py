@@ -11,6 +11,7 @@ trainer never leaves it behind.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -133,7 +134,17 @@ class RolloutProcess:
                 if time.monotonic() >= deadline:
                     return None
 
+    def forward_logs(self) -> None:
+        """Hand the rollout process's forwarded log records to this process's handlers (by logger name)."""
+        while True:
+            try:
+                record = self.shared.log_queue.get_nowait()
+            except (queue.Empty, OSError, ValueError):
+                return
+            logging.getLogger(record.name).handle(record)
+
     def drain_metrics(self) -> list[dict]:
+        self.forward_logs()
         out = []
         while True:
             try:
@@ -142,6 +153,7 @@ class RolloutProcess:
                 return out
 
     def check_health(self) -> None:
+        self.forward_logs()
         self._raise_if_failed()
         if self.server_check is not None:
             self.server_check()
@@ -177,5 +189,6 @@ class RolloutProcess:
             self.process.kill()
             self.process.join(5)
         self.process = None
-        for q in (self.shared.rollout_buffer, self.shared.metrics_queue):
+        self.forward_logs()
+        for q in (self.shared.rollout_buffer, self.shared.metrics_queue, self.shared.log_queue):
             q.cancel_join_thread()

@@ -8,6 +8,8 @@ queues, events and values both sides use); this module imports neither, so the t
 
 from __future__ import annotations
 
+import logging
+import logging.handlers
 import os
 import sys
 import time
@@ -33,6 +35,7 @@ def run_child(load_spec: Callable[[], RolloutSpec], shared: Any) -> None:
     status 1 without printing it again."""
     import asyncio
 
+    forward_logging(shared.log_queue)
     try:
         spec = load_spec()
         from asyncgrpo_cli import registry
@@ -92,7 +95,28 @@ async def _run_until_stopped(loop: Any, shared: Any) -> None:
     _abandon_queues(shared)
 
 
+def forward_logging(log_queue: Any, level: int = logging.WARNING) -> None:
+    """Send this process's log records of ``level`` and above to the trainer, which hands them to its own
+    handlers (the live console prints them above its progress block, ``train.log`` keeps them). A full queue drops
+    a record rather than blocking the rollout loop."""
+
+    class _Forward(logging.handlers.QueueHandler):
+        def enqueue(self, record: logging.LogRecord) -> None:
+            try:
+                self.queue.put_nowait(record)
+            except Exception:  # full (the trainer is not draining) or closing: never block generation
+                pass
+
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    handler = _Forward(log_queue)
+    handler.setLevel(level)
+    root.addHandler(handler)
+    root.setLevel(level)
+
+
 def _abandon_queues(shared: Any) -> None:
     """On stop, exit without flushing unread items into the pipes (the trainer no longer reads them)."""
-    for q in (shared.rollout_buffer, shared.metrics_queue):
+    for q in (shared.rollout_buffer, shared.metrics_queue, shared.log_queue):
         q.cancel_join_thread()

@@ -15,16 +15,18 @@ What vLLM 0.33 does (``vllm/v1/worker/gpu_model_runner.py::_get_prompt_logprobs_
   entry null, then ``{token_id: {"logprob", "rank", "decoded_token"}}`` holding the actual token first and then the
   top N in order; an actual token that is in the top N keeps its first place and takes the top-N rank (its index
   there, 1-based). Keys are plain token ids (``dict[int, Logprob]`` serialized by pydantic): ``return_tokens_as_
-  token_ids`` does not change them. ``-inf`` becomes ``-9999.0`` (``clamp_prompt_logprobs``).
+  token_ids`` does not change them. ``-inf`` becomes ``-9999.0`` (``clamp_prompt_logprobs``);
+- ``decoded_token`` is ``tokenizer.decode([id])`` with the leading spaces of a Metaspace (SentencePiece) piece
+  restored (``convert_ids_list_to_tokens``); a piece ending in U+FFFD (a byte-fallback fragment) is re-decoded
+  after up to 4 preceding prompt tokens, as ``LogprobsProcessor._correct_decoded_token`` does, else ``""``.
 
 The prefill is run one prompt at a time in chunks of positions through the model's own forward (so a model's
 logit scaling or soft-capping applies), which bounds memory at ``[chunk, vocab]`` float32 logits per step.
-Difference from vLLM: ``decoded_token`` is ``tokenizer.decode([id])``; vLLM also restores leading spaces for
-Metaspace (SentencePiece) tokenizers and repairs byte-fallback pieces from the preceding prompt tokens.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -138,19 +140,73 @@ def prompt_logprobs_entries(
     out: list[dict[str, dict[str, Any]] | None] = [None]
     tok_lp, ranks = scores.token_logprobs.tolist(), scores.ranks.tolist()
     top_ids, top_lp = scores.top_ids.tolist(), scores.top_logprobs.tolist()
-    for i in range(len(tok_lp)):
+    prompt = [int(t) for t in prompt]
+    for k in range(1, len(tok_lp) + 1):  # entry k scores prompt[k]
+        context = prompt[max(1, k - 4) : k]  # vLLM: the first keys of the last 4 entries (not the null one)
+        ids = [prompt[k], *top_ids[k - 1]]
+        lps = [tok_lp[k - 1], *top_lp[k - 1]]
         entry: dict[str, dict[str, Any]] = {}
-        tid = int(prompt[i + 1])
-        entry[str(tid)] = _logprob(tok_lp[i], ranks[i], tid, ctx)
-        for rank, (t, lp) in enumerate(zip(top_ids[i], top_lp[i]), start=1):
-            entry[str(t)] = _logprob(lp, rank, t, ctx)
+        for rank, t, lp in zip([ranks[k - 1], *range(1, len(ids))], ids, lps):
+            entry[str(t)] = {
+                "logprob": LOGPROB_FLOOR if lp == float("-inf") else lp,
+                "rank": rank,
+                "decoded_token": None if ctx.tokenizer is None else _decoded(t, context, ctx),
+            }
         out.append(entry)
     return out
 
 
-def _logprob(lp: float, rank: int, token_id: int, ctx: ModelContext) -> dict[str, Any]:
-    return {
-        "logprob": LOGPROB_FLOOR if lp == float("-inf") else lp,
-        "rank": rank,
-        "decoded_token": ctx.token_string(token_id) if ctx.tokenizer is not None else None,
-    }
+def _decoded(token_id: int, context: list[int], ctx: ModelContext) -> str:
+    """vLLM's ``decoded_token`` of ``token_id`` after the prompt tokens ``context`` (see the module doc)."""
+    tok = ctx.tokenizer
+    text = ctx.token_string(token_id) or ""
+    marker = _space_marker(tok)
+    if marker is not None:
+        raw = tok.convert_ids_to_tokens([token_id])[0] or ""
+        missing = (len(raw) - len(raw.lstrip(marker))) - (len(text) - len(text.lstrip(" ")))
+        text = " " * missing + text if missing > 0 else text
+    if not text.endswith("\ufffd"):
+        return text
+    for n in range(1, min(len(context), 4) + 1):
+        ctx_ids = context[-n:]
+        full = tok.decode(ctx_ids + [token_id])
+        if full.endswith("\ufffd"):
+            continue
+        clean_end = len(ctx_ids)
+        while clean_end > 0 and tok.decode([ctx_ids[clean_end - 1]]).endswith("\ufffd"):
+            clean_end -= 1
+        prefix = tok.decode(ctx_ids[:clean_end]) if clean_end else ""
+        if full.startswith(prefix):
+            return full[len(prefix) :]
+        common = 0
+        for a, b in zip(prefix, full):
+            if a != b:
+                break
+            common += 1
+        return full[common:]
+    return ""
+
+
+def _space_marker(tokenizer: Any) -> str | None:
+    """The Metaspace replacement character of a fast tokenizer's pre-tokenizer (vLLM's
+    ``get_leading_space_marker``), cached on the tokenizer; None for ByteLevel and the others."""
+    cached = getattr(tokenizer, "_asyncgrpo_space_marker", "")
+    if cached != "":
+        return cached
+    result = None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        try:
+            pre = json.loads(backend.to_str()).get("pre_tokenizer") or {}
+        except Exception:
+            pre = {}
+        subs = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        for sub in subs:
+            if sub.get("type") == "Metaspace":
+                result = sub.get("replacement", "\u2581")
+                break
+    try:
+        tokenizer._asyncgrpo_space_marker = result
+    except AttributeError:
+        pass
+    return result

@@ -1,7 +1,7 @@
 """``/v1/completions`` request parsing and response building, with vLLM's field names, shapes and messages.
 
 The embedded server supports the subset the rollout client uses (token-id or text prompts, n, the sampling
-knobs, seed, logprobs, return_token_ids, return_tokens_as_token_ids, stop_token_ids, ignore_eos). A field it
+knobs, seed, logprobs, prompt_logprobs (``prompt_logprobs.py``), return_token_ids, return_tokens_as_token_ids, stop_token_ids, ignore_eos). A field it
 does not implement is rejected with HTTP 400 rather than silently ignored.
 """
 
@@ -16,6 +16,7 @@ from typing import Any
 
 from asyncgrpo_cli.embedded.api import ApiError, ModelContext
 from asyncgrpo_cli.embedded.engine import Completion, GenerationRequest
+from asyncgrpo_cli.embedded.prompt_logprobs import parse_prompt_logprobs, prompt_logprobs_entries
 from asyncgrpo_cli.embedded.sampling import SamplingParams
 
 LOGPROB_FLOOR = -9999.0
@@ -33,7 +34,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
     "logit_bias": None,
-    "prompt_logprobs": None,
     "allowed_token_ids": None,
     "bad_words": None,
     "logprob_token_ids": None,
@@ -213,6 +213,7 @@ def parse_completion_request(body: Any, ctx: ModelContext) -> CompletionPlan:
         isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
     ):
         raise ApiError(f"stop_token_ids must contain only integers, got {stop_ids}.", param="stop_token_ids")
+    prompt_logprobs = parse_prompt_logprobs(body.get("prompt_logprobs"), ctx)
     params = _sampling(body, ctx)
     ignore_eos = _flag(body, "ignore_eos", False)
     requests = []
@@ -226,6 +227,7 @@ def parse_completion_request(body: Any, ctx: ModelContext) -> CompletionPlan:
                 n=n,
                 seed=seed,
                 num_logprobs=logprobs or 0,
+                prompt_logprobs=prompt_logprobs,
                 stop_token_ids=tuple(stop_ids),
                 ignore_eos=ignore_eos,
             )
@@ -290,7 +292,7 @@ def build_completion_response(
                     "logprobs": _logprobs_block(c, plan, ctx) if plan.logprobs is not None else None,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
-                    "prompt_logprobs": None,
+                    "prompt_logprobs": prompt_logprobs_entries(req.prompt_ids, c.prompt_scores, ctx),
                     "token_ids": list(c.token_ids) if plan.return_token_ids else None,
                     "prompt_token_ids": list(req.prompt_ids) if plan.return_token_ids else None,
                 }

@@ -33,6 +33,7 @@ import torch
 from asyncgrpo_cli.embedded.kvcache import BatchKV, PrefixCache, RowKV, forward, prefill
 from asyncgrpo_cli.embedded.lora import LoadedAdapter, lora_batch
 from asyncgrpo_cli.embedded.model import load_weights_dir
+from asyncgrpo_cli.embedded.prompt_logprobs import PromptScores, scored_prefill
 from asyncgrpo_cli.embedded.sampling import BatchParams, SampleOutput, SamplingParams, sample
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,9 @@ class GenerationRequest:
     """Top log-probs returned per token (besides the sampled token's own)."""
     return_sampling_mask: bool = False
     """Record each token's candidate set (``sampling.candidate_sets``; ``/inference/v1/generate``)."""
+    prompt_logprobs: int | None = None
+    """Score every prompt token with the top N of each position (``prompt_logprobs.py``); None: off. Such a
+    request is prefilled on its own, never from the prefix cache (vLLM's ``skip_reading_prefix_cache``)."""
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     adapter: LoadedAdapter | None = None
@@ -73,6 +77,8 @@ class Completion:
     finish_reason: str | None = None
     stop_reason: int | None = None
     """The stop token when a ``stop_token_ids`` entry (not EOS) ended the choice, as vLLM reports it."""
+    prompt_scores: PromptScores | None = None
+    """The request's prompt log-probs (the same object in every choice) when it asked for them."""
 
 
 class RequestHandle:
@@ -123,6 +129,10 @@ class _Seq:
     @property
     def reserved(self) -> int:
         return len(self.prompt) + self.request.max_tokens
+
+    @property
+    def needs_scores(self) -> bool:
+        return self.request.prompt_logprobs is not None and self.out.prompt_scores is None
 
     @property
     def key(self) -> tuple[LoadedAdapter | None, tuple[int, ...]]:
@@ -379,13 +389,18 @@ class GenerationEngine:
         new: list[_Seq] = []
         prefill_budget = self.max_prefill_tokens
         planned: set[tuple[int, ...]] = set()
+        scored: set[RequestHandle] = set()
         while self._waiting and len(self._running) + len(new) < self.max_num_seqs:
             seq = self._waiting[0]
             if self._drain_before is not None and seq.order >= self._drain_before:
                 break
             if self._reserved + seq.reserved > self.kv_cache_tokens:
                 break
-            cost = 0 if seq.key in planned or seq.key in self.prefix_cache else len(seq.prompt)
+            if seq.needs_scores:
+                cost = 0 if seq.handle in scored else len(seq.prompt)
+                scored.add(seq.handle)
+            else:
+                cost = 0 if seq.key in planned or seq.key in self.prefix_cache else len(seq.prompt)
             if cost and new and cost > prefill_budget:
                 break
             prefill_budget -= cost
@@ -402,6 +417,15 @@ class GenerationEngine:
             return [], None
         found: dict[tuple, tuple[RowKV, torch.Tensor]] = {}
         todo: dict[tuple, None] = {}  # distinct (adapter, prompt) keys to prefill, in order
+        for seq in new:  # prompt_logprobs requests: a scored prefill of their own, which the cache then holds
+            if seq.needs_scores:
+                with lora_batch(self.model, [seq.request.adapter]):
+                    row, lg, scores = scored_prefill(self.model, seq.prompt, seq.request.prompt_logprobs or 0)
+                self.prefill_tokens_total += len(seq.prompt)
+                for c in seq.handle.completions:
+                    c.prompt_scores = scores
+                found[seq.key] = (row, lg)
+                self.prefix_cache.put(seq.key, row, lg)
         for seq in new:
             if seq.key in found or seq.key in todo:
                 continue

@@ -8,6 +8,7 @@ config dump has).
 Request: ``{"token_ids": [int, ...], "sampling_params": {vLLM SamplingParams}, "model"?, "request_id"?,
 "return_token_ids"?, "output_mode": "tokens", "stream": false}``. Supported ``sampling_params``: ``n``,
 ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ``logprobs``,
+``prompt_logprobs`` (the top-level ``prompt_logprobs``, as on ``/v1/completions``: ``prompt_logprobs.py``),
 ``stop_token_ids``, ``ignore_eos``, plus the text-only knobs that do not change tokens (``detokenize``,
 ``skip_special_tokens``, ...); any other non-neutral SamplingParams value is a 400, an unknown key too.
 
@@ -45,6 +46,7 @@ from asyncgrpo_cli.embedded.completions import (
     counts_and_seed,
 )
 from asyncgrpo_cli.embedded.engine import Completion, GenerationRequest
+from asyncgrpo_cli.embedded.prompt_logprobs import parse_prompt_logprobs, prompt_logprobs_entries
 
 ROUTE = "/inference/v1/generate"
 REQUEST_ID_PREFIX = "generate-tokens-"
@@ -59,6 +61,7 @@ _SUPPORTED = {
     "repetition_penalty",
     "seed",
     "logprobs",
+    "prompt_logprobs",
     "stop_token_ids",
     "ignore_eos",
 }
@@ -81,7 +84,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "watermarking": None,
     "stop": None,
     "min_tokens": 0,
-    "prompt_logprobs": None,
     "prompt_logprob_start": None,
     "logprob_token_ids": None,
     "structured_outputs": None,
@@ -183,6 +185,9 @@ def parse_generate_request(body: Any, ctx: ModelContext) -> GeneratePlan:
         n=n,
         seed=None if seed == -1 else seed,
         num_logprobs=logprobs or 0,
+        prompt_logprobs=parse_prompt_logprobs(
+            sp.get("prompt_logprobs"), ctx, param="sampling_params.prompt_logprobs"
+        ),
         return_sampling_mask=True,
         stop_token_ids=tuple(stop_ids),
         ignore_eos=_flag(sp, "ignore_eos", False),
@@ -238,7 +243,9 @@ def build_generate_response(
             "completion_tokens": completion_tokens,
             "prompt_tokens_details": None,
         },
-        "prompt_logprobs": None,
+        "prompt_logprobs": prompt_logprobs_entries(
+            plan.request.prompt_ids, completions[0].prompt_scores if completions else None, ctx
+        ),
         "prompt_token_id_logprobs": None,
         "prompt_token_ids": list(plan.request.prompt_ids) if plan.return_token_ids else None,
         "mm_placeholders": None,

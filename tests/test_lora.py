@@ -328,9 +328,10 @@ def test_one_forward_serves_base_and_several_adapters(tiny_model_dir, tmp_path):
 
 
 def test_engine_serves_each_request_with_its_adapter(tiny_model_dir, tmp_path):
-    from asyncgrpo_cli.embedded.engine import GenerationEngine, GenerationRequest
+    from asyncgrpo_cli.embedded.engine import GenerationEngine
     from asyncgrpo_cli.embedded.lora import AdapterSet
     from asyncgrpo_cli.embedded.model import load_model
+    from asyncgrpo_cli.embedded.requests import GenerationRequest
     from asyncgrpo_cli.embedded.sampling import SamplingParams
 
     trained = lora_model(tiny_model_dir, seed=3)

@@ -17,8 +17,8 @@ import torch
 from asyncgrpo_cli.config.compose import compose_config
 from asyncgrpo_cli.config.schema import PackingConfig
 from asyncgrpo_cli.embedded.api import ApiError, ModelContext
-from asyncgrpo_cli.embedded.engine import Completion
 from asyncgrpo_cli.embedded.generate import build_generate_response, parse_generate_request
+from asyncgrpo_cli.embedded.requests import Completion
 from asyncgrpo_cli.embedded.sampling import BatchParams, SamplingParams, processed_logprobs, sample
 from asyncgrpo_cli.errors import ConfigError
 from asyncgrpo_cli.packing.sequence import SequencePacker

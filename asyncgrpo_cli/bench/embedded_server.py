@@ -21,7 +21,8 @@ from asyncgrpo_cli.bench.shapes import serving_model
 
 
 def _engine_tok_s(model, prompts: list[list[int]], new: int, num_logprobs: int) -> float:
-    from asyncgrpo_cli.embedded.engine import GenerationEngine, GenerationRequest
+    from asyncgrpo_cli.embedded.engine import GenerationEngine
+    from asyncgrpo_cli.embedded.requests import GenerationRequest
     from asyncgrpo_cli.embedded.sampling import SamplingParams
 
     max_len = max(len(p) for p in prompts) + new + 1

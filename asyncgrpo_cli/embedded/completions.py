@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncgrpo_cli.embedded.api import ApiError, ModelContext
-from asyncgrpo_cli.embedded.engine import Completion, GenerationRequest
 from asyncgrpo_cli.embedded.prompt_logprobs import parse_prompt_logprobs, prompt_logprobs_entries
+from asyncgrpo_cli.embedded.requests import Completion, GenerationRequest
 from asyncgrpo_cli.embedded.sampling import SamplingParams
 
 LOGPROB_FLOOR = -9999.0

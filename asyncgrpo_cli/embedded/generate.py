@@ -45,8 +45,8 @@ from asyncgrpo_cli.embedded.completions import (
     _sampling,
     counts_and_seed,
 )
-from asyncgrpo_cli.embedded.engine import Completion, GenerationRequest
 from asyncgrpo_cli.embedded.prompt_logprobs import parse_prompt_logprobs, prompt_logprobs_entries
+from asyncgrpo_cli.embedded.requests import Completion, GenerationRequest
 
 ROUTE = "/inference/v1/generate"
 REQUEST_ID_PREFIX = "generate-tokens-"

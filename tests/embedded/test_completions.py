@@ -9,7 +9,7 @@ from asyncgrpo_cli.embedded.completions import (
     build_completion_response,
     parse_completion_request,
 )
-from asyncgrpo_cli.embedded.engine import Completion
+from asyncgrpo_cli.embedded.requests import Completion
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,10 @@ import threading
 import pytest
 import torch
 
-from asyncgrpo_cli.embedded.engine import GenerationEngine, GenerationRequest
+from asyncgrpo_cli.embedded.engine import GenerationEngine
 from asyncgrpo_cli.embedded.kvcache import BatchKV, PrefixCache, RowKV, prefill, prefill_inputs
 from asyncgrpo_cli.embedded.model import load_model, load_weights_dir
+from asyncgrpo_cli.embedded.requests import GenerationRequest
 from asyncgrpo_cli.embedded.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -22,34 +22,12 @@ pytestmark = pytest.mark.slow
 
 NAME = "tiny"
 PROMPT = [17, 250, 31, 999, 4, 86, 512, 77]
+SERVER = {"enable_lora": True}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(one_torch_thread):
     """Reference forwards on one thread (see the conftest fixture)."""
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    cfg = EmbeddedServerConfig(port=0, max_model_len=256, max_num_seqs=8, num_threads=1, enable_lora=True)
-    proc = EmbeddedServerProcess(
-        tiny_model_dir,
-        cfg,
-        served_model_name=NAME,
-        log_path=tmp_path_factory.mktemp("server") / "server.log",
-        startup_timeout=120,
-    )
-    proc.start()
-    try:
-        yield proc
-    finally:
-        proc.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

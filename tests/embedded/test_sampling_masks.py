@@ -17,14 +17,12 @@ import pytest
 import torch
 
 from asyncgrpo_cli.config.compose import compose_config
-from asyncgrpo_cli.config.schema import EmbeddedServerConfig
 from asyncgrpo_cli.embedded.sampling import BatchParams, processed_logprobs
 from asyncgrpo_cli.embedded.sampling import SamplingParams as FilterParams
 from asyncgrpo_cli.errors import UserError
 from asyncgrpo_cli.rollout.client import CompletionClient, SamplingParams
 from asyncgrpo_cli.samples import CandidateSets
 from asyncgrpo_cli.server.control import ServerControl
-from asyncgrpo_cli.server.launch import EmbeddedServerProcess
 from asyncgrpo_cli.server.mask_support import resolve_sampling_mask
 from asyncgrpo_cli.server.probe import probe_server
 from asyncgrpo_cli.server.report import read_server
@@ -37,27 +35,6 @@ PROMPT = [17, 250, 31, 999, 4, 86, 512, 77]
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(one_torch_thread):
     """Reference forwards on one thread (see the conftest fixture)."""
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    cfg = EmbeddedServerConfig(port=0, max_model_len=256, max_num_seqs=8, num_threads=1)
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    proc = EmbeddedServerProcess(
-        tiny_model_dir, cfg, served_model_name=NAME, log_path=log, startup_timeout=120
-    )
-    proc.start()
-    try:
-        yield proc
-    finally:
-        proc.stop()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
 def generate(server, **sampling) -> dict:

@@ -25,38 +25,12 @@ pytestmark = pytest.mark.slow
 NAME = "tiny"
 MAX_MODEL_LEN = 400
 PROMPT = [17, 250, 31, 999, 4, 86, 512, 77]
+SERVER = {"max_model_len": MAX_MODEL_LEN}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(one_torch_thread):
     """Reference forwards on one thread (see the conftest fixture)."""
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    cfg = EmbeddedServerConfig(port=0, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, num_threads=1)
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    proc = EmbeddedServerProcess(
-        tiny_model_dir, cfg, served_model_name=NAME, log_path=log, startup_timeout=120
-    )
-    proc.start()
-    try:
-        yield proc
-    finally:
-        proc.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
 def complete(client: httpx.Client, **body) -> dict:

@@ -166,6 +166,16 @@ def _sampling(body: dict[str, Any], ctx: ModelContext) -> SamplingParams:
     )
 
 
+def stop_token_ids(src: dict[str, Any]) -> list[int]:
+    """``stop_token_ids`` of a request body (or its ``sampling_params``), validated as vLLM does."""
+    stop_ids = src.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
+    ):
+        raise ApiError(f"stop_token_ids must contain only integers, got {stop_ids}.", param="stop_token_ids")
+    return stop_ids
+
+
 def _check_length(prompt_len: int, max_tokens: int, max_model_len: int) -> None:
     """vLLM's checks: the prompt must leave room for one token; prompt + max_tokens must fit max_model_len."""
     if prompt_len >= max_model_len:
@@ -208,11 +218,7 @@ def parse_completion_request(body: Any, ctx: ModelContext) -> CompletionPlan:
                 param="logprobs",
             )
         logprobs = requested
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
-    ):
-        raise ApiError(f"stop_token_ids must contain only integers, got {stop_ids}.", param="stop_token_ids")
+    stop_ids = stop_token_ids(body)
     prompt_logprobs = parse_prompt_logprobs(body.get("prompt_logprobs"), ctx)
     params = _sampling(body, ctx)
     ignore_eos = _flag(body, "ignore_eos", False)

@@ -44,6 +44,7 @@ from asyncgrpo_cli.embedded.completions import (
     _number,
     _sampling,
     counts_and_seed,
+    stop_token_ids,
 )
 from asyncgrpo_cli.embedded.prompt_logprobs import parse_prompt_logprobs, prompt_logprobs_entries
 from asyncgrpo_cli.embedded.requests import Completion, GenerationRequest
@@ -172,11 +173,7 @@ def parse_generate_request(body: Any, ctx: ModelContext) -> GeneratePlan:
                 param="logprobs",
             )
         logprobs = requested
-    stop_ids = sp.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
-    ):
-        raise ApiError(f"stop_token_ids must contain only integers, got {stop_ids}.", param="stop_token_ids")
+    stop_ids = stop_token_ids(sp)
     _check_length(len(prompt), max_tokens, ctx.max_model_len)
     request = GenerationRequest(
         prompt_ids=prompt,

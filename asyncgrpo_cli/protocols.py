@@ -162,6 +162,9 @@ class Loss(Protocol):
     algorithm-blind: it reads nothing but ``needs``.
     """
 
+    head_temperature: float | None
+    """The temperature the trainer's head divides the logits by for this loss (the JSD loss: its teacher
+    temperature); None: the sampling temperature (``sampling.temperature``), as a policy-gradient loss needs."""
     needs: tuple[str, ...]
     """Names of the token extras the loss reads from ``row.extras`` (``samples.SAMPLER_TOPK``, ...). The run asks
     the producers for them (the rollout requests the sampler's top-k only when needed), and with any need the
@@ -178,8 +181,15 @@ class Loss(Protocol):
         ``num_trained_step``: the trained tokens of the whole optimizer step (all micro-batches and ranks), the
         normalizer, so accumulated micro-batches sum to the full-batch token mean. The loss is a 0-d tensor; the
         metrics are 0-d detached tensors named ``*_sum`` / ``*_count`` / ``*_min`` / ``*_max``
-        (``train/losses.py`` merges and finalizes them).
+        (``train/losses.py`` merges them over micro-batches and ranks).
         """
+        ...
+
+    def metric_records(
+        self, raw: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
+        """The step's merged raw material as window records: ``{name: (sum, count)}`` token means (reduced as
+        Σ sums / Σ counts over the logging window, so they stay exact) and ``{name: value}`` extremes / items."""
         ...
 
 

@@ -32,6 +32,11 @@ SAMPLER_TOPK = "sampler_topk"
 when the loss needs it (``sampling.num_sampler_logprobs`` of them; score centering)."""
 
 
+TEACHER_TOPK = "teacher_topk"
+"""Extra name: a teacher's scores of the student's sampled tokens (a :class:`TeacherTopK`), asked from the row's
+teacher server by the distillation rollout loop (``teacher.top_k`` candidates per token; the JSD loss)."""
+
+
 def _new_id() -> str:
     return uuid.uuid4().hex
 
@@ -257,6 +262,56 @@ class TopK:
 
 
 @dataclass
+class TeacherTopK(TopK):
+    """Per trained token, a teacher's sparse distribution over the student's vocabulary (the ``teacher_topk``
+    extra).
+
+    ``ids`` int64 [n, K+1] and ``logprobs`` float32 [n, K+1]: columns ``0..K-1`` hold the teacher's top-K by rank
+    (column 0 = its top-1), column ``K`` the sampled (realized) token when it is outside that top-K (vLLM reports
+    it with every position), else -1; -1 / -inf pad columns a teacher did not fill. Log-probs are the server's
+    (full-vocabulary ``log_softmax`` at temperature 1). A row of only -1 is a position the teacher reported
+    nothing for. ``teacher`` int64 [n] is the index of the teacher that scored the token in ``teacher_names``
+    (the sorted ids of ``teacher.servers``, the same tuple on every sample of a run).
+
+    Example:
+        >>> t = TeacherTopK(np.array([[7, 8, 5]]), np.array([[-0.1, -2.5, -4.0]], np.float32),
+        ...                 teacher=np.array([1]), teacher_names=("code", "math"))
+        >>> t.width, t.teacher_names[int(t.teacher[0])]
+        (3, 'math')
+        >>> TeacherTopK.concat([t, TeacherTopK.empty(1)]).ids.tolist()
+        [[7, 8, 5], [-1, -1, -1]]
+    """
+
+    teacher: Any = None
+    teacher_names: tuple[str, ...] = ("default",)
+
+    def __post_init__(self) -> None:
+        if self.teacher is None:
+            self.teacher = np.zeros(len(self), dtype=np.int64)
+
+    @classmethod
+    def empty(cls, n: int) -> TeacherTopK:
+        """``n`` rows of width 0 (a sample without teacher scores: every position masked out of the loss)."""
+        base = TopK.empty(n)
+        return cls(base.ids, base.logprobs, teacher=np.full(n, -1, dtype=np.int64), teacher_names=())
+
+    @staticmethod
+    def concat(parts: Sequence[TeacherTopK]) -> TeacherTopK:
+        """Rows one after another, padded to the widest; every part must carry the same ``teacher_names`` (an
+        empty part carries none)."""
+        names = {p.teacher_names for p in parts if p.teacher_names}
+        if len(names) > 1:
+            raise ValueError(f"teacher scores of one row name different teacher sets: {sorted(names)}")
+        top = TopK.concat(parts)
+        teacher = (
+            np.concatenate([np.asarray(p.teacher, dtype=np.int64) for p in parts])
+            if parts
+            else np.zeros(0, dtype=np.int64)
+        )
+        return TeacherTopK(top.ids, top.logprobs, teacher=teacher, teacher_names=next(iter(names), ()))
+
+
+@dataclass
 class TurnRecord:
     """One sampling request: the full prompt sent and the tokens the sampler produced.
 
@@ -299,6 +354,9 @@ class Rollout:
     turns: list[TurnRecord]
     reward: float | None = None
     rollout_id: str = field(default_factory=_new_id)
+    extras: dict[str, Any] = field(default_factory=dict)
+    """What a loop's hook attaches for its scorer, by name (the distillation loop: ``TEACHER_TOPK``, the
+    teacher's scores of the completion tokens, one row per completion token)."""
 
 
 @dataclass

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import subprocess
 import sys
+import types
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -63,6 +64,10 @@ def protocol_problems(obj: Any, proto: type) -> list[str]:
                 )
             continue
         origin = typing.get_origin(decl) or decl
+        if origin is types.UnionType:  # e.g. float | None
+            if not isinstance(value, typing.get_args(decl)):
+                problems.append(f"{name} is {value!r}, not a {decl}")
+            continue
         if not isinstance(value, origin):
             problems.append(f"{name} is {value!r}, not a {decl}")
         elif origin is tuple and not all(isinstance(v, str) for v in value):
@@ -97,20 +102,35 @@ def test_every_kind_with_a_protocol_is_built():
     assert all(_registered(kind) for kind in KIND_PROTOCOLS)
 
 
-class _NoNeeds:
+class _LossBase:
+    head_temperature = None
+
+    def metric_records(self, raw):
+        return {}, {}
+
+
+class _NoNeeds(_LossBase):
     def __call__(self, stats, row, num_trained_step):
         return stats.logprobs.sum(), {}
 
 
-class _BadCall:
+class _BadCall(_LossBase):
     needs = ("sampler_topk",)
 
     def __call__(self, stats, row):
         return stats.logprobs.sum(), {}
 
 
-class _NeedsNotNames:
+class _NeedsNotNames(_LossBase):
     needs = "sampler_topk"
+
+    def __call__(self, stats, row, num_trained_step):
+        return stats.logprobs.sum(), {}
+
+
+class _TemperatureNotAFloat(_LossBase):
+    needs = ()
+    head_temperature = "1.0"
 
     def __call__(self, stats, row, num_trained_step):
         return stats.logprobs.sum(), {}
@@ -127,6 +147,7 @@ def test_checker_rejects_nonconforming_plugins():
     assert protocol_problems(_NoNeeds(), Loss) == ["missing 'needs'"]
     assert "does not match" in protocol_problems(_BadCall(), Loss)[0]
     assert "not a tuple" in protocol_problems(_NeedsNotNames(), Loss)[0]
+    assert "head_temperature is '1.0'" in protocol_problems(_TemperatureNotAFloat(), Loss)[0]
     assert "does not match" in protocol_problems(_BadPacker(), Packer)[0]
     assert protocol_problems(object(), Packer) == ["missing 'planner'", "missing 'pack'"]
 

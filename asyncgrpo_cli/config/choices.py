@@ -37,6 +37,9 @@ MixedPrecision = Annotated[
 ]
 ConsoleMode = Annotated[str, Literal["live", "plain", "auto"]]
 SinkName = Annotated[str, Literal["console", "jsonl", "trackio"]]
+Algorithm = Annotated[
+    str, Literal["grpo", "distill"], "grpo runs under `asyncgrpo train`, distill under `asyncgrpo distill`"
+]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncgrpo_cli.config.choices import (
+    Algorithm,
     AttnImplementation,
     ConsoleMode,
     Dtype,
@@ -334,6 +335,23 @@ class LossConfig:
     vllm_importance_sampling_clip_max: float = F(
         5.0, "Tokens whose trainer/sampler ratio is above this are masked out of the loss."
     )
+    beta: float = F(
+        0.0,
+        "jsd: generalized JSD interpolation in [0, 1]: 0 forward KL(teacher || student) over the teacher's top-k "
+        "(default), 1 reverse KL (MOPD stage 3), in between the mixture form over the teacher's top-1 and the "
+        "sampled token.",
+    )
+    add_tail_bucket: bool = F(
+        True,
+        "jsd: add the mass outside the support, log(1 - sum exp(support log-probs)), as one more outcome on both "
+        "sides; false renormalizes both over the support.",
+    )
+    teacher_temperature: float = F(
+        1.0,
+        "jsd: temperature of both distributions: the student's logits are divided by it (full vocabulary, "
+        "exact) and the teacher's reported log-probs are tempered client-side (exact at 1.0; vLLM computes "
+        "prompt log-probs before its sampler, so a server never applies it).",
+    )
 
 
 @dataclass
@@ -419,6 +437,34 @@ class TrainerConfig:
 
 
 @dataclass
+class TeacherConfig:
+    servers: dict[str, Any] = F(
+        help="Teacher id -> server: a URL (a running vLLM teacher, e.g. http://localhost:8001) or {backend: "
+        "embedded, model: NAME_OR_PATH} (a scoring-only embedded server that the run starts). One entry = "
+        "plain distillation; several = MOPD, each row routed by its teacher.id_column.",
+        factory=lambda: {"default": "http://localhost:8001"},
+    )
+    top_k: int = F(
+        8,
+        "Candidates per position asked from the teacher (prompt_logprobs); 16-64 for real runs; > 20 needs "
+        "the teacher started with --max-logprobs -1.",
+    )
+    id_column: str = F(
+        "teacher_id",
+        "Dataset column naming each row's teacher when teacher.servers has several entries (MOPD).",
+    )
+    timeout: float = F(600.0, "Seconds per scoring request (request_timeout).")
+    max_retries: int = F(
+        5, "Retries (with backoff) of a scoring request that timed out or got a 5xx before the run stops."
+    )
+    startup_timeout: float = F(300.0, "Seconds to wait for each teacher to become ready.")
+    embedded: EmbeddedServerConfig = F(
+        help="Settings of the embedded teachers the run starts (backend: embedded entries).",
+        factory=EmbeddedServerConfig,
+    )
+
+
+@dataclass
 class DataConfig:
     source: str = F(
         "arithmetic", "Dataset plugin: arithmetic, tiny, hf (hub id or local files), or module:object."
@@ -431,6 +477,16 @@ class DataConfig:
     system_prompt: str | None = F(None, "System message prepended to every prompt that has none.")
     shuffle: bool = F(True, "Shuffle prompts each epoch (seeded by trainer.seed and the epoch).")
     seed: int = F(0, "Seed of generated datasets.")
+    columns: dict[str, Any] = F(
+        help="Constant columns added to every row, e.g. {teacher_id: math} (routes a dataset to a teacher).",
+        factory=dict,
+    )
+    mix: list[dict[str, Any]] = F(
+        help="More datasets appended to this one (e.g. MOPD: one per teacher). Each entry holds the data keys "
+        "that differ from this group's, e.g. {path: iamtarun/python_code_instructions_18k_alpaca, "
+        "prompt_column: instruction, columns: {teacher_id: code}}; only the columns all parts share are kept.",
+        factory=list,
+    )
 
 
 @dataclass
@@ -444,6 +500,12 @@ class LoggingConfig:
     run_name: str | None = F(None, "Run name for trackio; default: the run directory name.")
     log_completions: bool = F(False, "Print a sample of (prompt, completion) pairs every logging window.")
     num_completions_to_print: int | None = F(2, "Completions printed per window when log_completions is on.")
+    rename: dict[str, str] = F(
+        help="Metric names as logged: {name in the code: name in the sinks}. The distillation group maps the "
+        "shared names to the distillation reference's (sample/dropped_stale_count -> sample/dropped_stale_total, "
+        "rollout/concurrency -> rollout/inflight, ...); renaming keeps the aggregation (count and total both sum).",
+        factory=dict,
+    )
 
 
 @dataclass
@@ -458,4 +520,10 @@ class RootConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    algorithm: Algorithm = F(
+        "grpo",
+        "What the config trains: grpo (asyncgrpo train) or distill (asyncgrpo distill); set by the verb's "
+        "primary config and by every recipe, so a recipe runs under its own verb.",
+    )
     recipe: str | None = F(None, "Name of the recipe this config was built from (set by the recipe file).")

@@ -76,6 +76,19 @@ class PackedRow:
             return None
         return ids[0] if len(ids) == 1 else torch.cat(ids, dim=1)
 
+    def candidate_columns(self, name: str) -> slice:
+        """The columns of ``candidate_ids`` (and of ``TokenStats.topk_logprobs``) that belong to the ``TopK`` extra
+        ``name``: extras sit side by side in ``extras`` order. KeyError when the row has no such extra."""
+        start = 0
+        for key, extra in self.extras.items():
+            if not isinstance(extra, TopK):
+                continue
+            width = int(extra.ids.shape[1])
+            if key == name:
+                return slice(start, start + width)
+            start += width
+        raise KeyError(f"the packed row has no top-k extra {name!r} (extras: {', '.join(self.extras) or 'none'})")
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRow:
         """A copy with every tensor (extras included) on ``device`` (counts unchanged)."""
 

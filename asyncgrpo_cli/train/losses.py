@@ -42,6 +42,7 @@ class _MaskedISLoss(ABC):
     """
 
     needs: tuple[str, ...] = ()
+    head_temperature: float | None = None  # the sampling temperature
 
     def __init__(self, cfg: LossConfig) -> None:
         self.cfg = cfg
@@ -54,6 +55,11 @@ class _MaskedISLoss(ABC):
         """m = 1[clip_min <= r <= clip_max] as float, detached."""
         r = ratio.detach()
         return ((r >= self.clip_min) & (r <= self.clip_max)).float()
+
+    def metric_records(
+        self, raw: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
+        return metric_records(raw)
 
     @abstractmethod
     def token_losses(

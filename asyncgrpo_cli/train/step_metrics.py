@@ -7,7 +7,6 @@ from typing import Any
 
 from asyncgrpo_cli.metrics.reducer import MetricWindow
 from asyncgrpo_cli.train.batching import StepBatch
-from asyncgrpo_cli.train.losses import metric_records
 
 
 @dataclass
@@ -31,7 +30,7 @@ def record_microbatches(w: MetricWindow, step: StepBatch) -> None:
 def record_step(
     w: MetricWindow,
     step: StepBatch,
-    raw: dict[str, Any],
+    records: tuple[dict[str, tuple[float, float]], dict[str, float]],
     loss: float,
     grad_norm: float,
     lr: float,
@@ -40,7 +39,7 @@ def record_step(
     times: StepTimes,
 ) -> None:
     trained = step.num_trained
-    rates, extremes = metric_records(raw)
+    rates, extremes = records  # the loss's (Loss.metric_records)
     for name, (num, den) in rates.items():
         w.add_rate(name, num, den)
     for name, value in extremes.items():

@@ -60,7 +60,9 @@ class Trainer:
         self.info = parts.info
         self.window = window
         s = cfg.sampling
-        self.temperature = s.temperature if s.temperature >= 1e-5 else 1.0
+        sampling_t = s.temperature if s.temperature >= 1e-5 else 1.0
+        head_t = parts.loss_fn.head_temperature  # protocols.Loss: None = the sampling temperature
+        self.temperature = sampling_t if head_t is None else head_t
         self._last_save_step = parts.state.step if parts.state.step > 0 else -1  # resumed: that step is saved
         self._last_logged_step = parts.state.step
         self._push_owed = False  # a scheduled weight push did not reach the server (rollout.resync)
@@ -119,6 +121,7 @@ class Trainer:
             self.info.world_size,
         )
         raw = reduce_raw_metrics(merge_metric_parts(res.raw_parts), self.info)
+        records = p.loss_fn.metric_records(raw)
         totals = self._sum_over_ranks([res.loss, res.forwarded, res.unpacked])
         t_opt = time.monotonic()
         grad_norm = clip_and_step(p.model, p.optimizer, p.scheduler, self.cfg.trainer.max_grad_norm)
@@ -138,7 +141,7 @@ class Trainer:
         record_step(
             self.window,
             step,
-            raw,
+            records,
             float(totals[0]),
             grad_norm,
             p.scheduler.get_last_lr()[0],

@@ -19,6 +19,8 @@ usage: asyncgrpo VERB [OVERRIDES...]
 verbs:
   train     train with async GRPO. `asyncgrpo train` runs the offline quickstart; `+recipe=NAME` picks a recipe,
             `key=value` overrides any knob, `-m` runs a Hydra multirun sweep (a,b,c values).
+  distill   async on-policy distillation: the student generates, teacher servers score its tokens, the loss is a
+            generalized JSD over their top-k. `asyncgrpo distill` runs the offline distillation quickstart.
   check     compose and validate the config, print the plan; starts nothing. `--explain GROUP` documents a group.
   serve     run the embedded generation server on the configured model (vLLM-compatible API subset).
   plugins   list the registered plugins (rewards, losses, packers, servers, weight sync, rollout loops, ...).
@@ -30,6 +32,8 @@ examples:
   asyncgrpo train +recipe=tiny trainer.max_steps=3
   asyncgrpo train +recipe=deepmath loss.epsilon=0.28 rollout.max_staleness=2
   asyncgrpo train -m +recipe=tiny rollout.max_staleness=0,2 loss.epsilon=0.2,0.28
+  asyncgrpo distill
+  asyncgrpo distill +recipe=gsm8k_distill loss.beta=0.5 teacher.top_k=32
   asyncgrpo check +recipe=deepmath
   asyncgrpo check --explain sampling
 """
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         print(__version__)
         return
     verb, rest = argv[0], argv[1:]
-    handlers = {"train": _train, "check": _check, "serve": _serve, "plugins": _plugins, "bench": _bench}
+    handlers = {"train": _train, "distill": _distill, "check": _check, "serve": _serve, "plugins": _plugins, "bench": _bench}
     handler = handlers.get(verb)
     if handler is None:
         _die(f"unknown verb {verb!r}; verbs: {', '.join(handlers)} (asyncgrpo --help)")
@@ -90,9 +94,20 @@ def _exit_now(message: str, code: int) -> None:
 
 # ---------------------------------------------------------------------------------------------------- train
 def _train(args: list[str]) -> None:
-    from asyncgrpo_cli.config.compose import precheck, with_default_recipe
+    _run_jobs(args, "grpo")
+
+
+def _distill(args: list[str]) -> None:
+    _run_jobs(args, "distill")
+
+
+def _run_jobs(args: list[str], algorithm: str) -> None:
+    """``train`` (grpo) and ``distill``: the same jobs, each verb composing its own primary config."""
+    from asyncgrpo_cli.config.compose import PRIMARY_CONFIGS, VERBS, algorithm_of, precheck, with_default_recipe
     from asyncgrpo_cli.config.store import register_schemas
     from asyncgrpo_cli.paths import conf_dir
+
+    verb = VERBS[algorithm]
 
     if any(a in ("-h", "--help") for a in args):
         print(USAGE)
@@ -100,18 +115,20 @@ def _train(args: list[str]) -> None:
             "Hydra options: --cfg job (print the composed config), --info, -m/--multirun, hydra.run.dir=DIR"
         )
         return
-    args = with_default_recipe(args)
     precheck(args)
+    algorithm_of(args, algorithm)  # a recipe of the other verb: say which verb runs it
+    args = with_default_recipe(args, algorithm)
     register_schemas()
     _quiet_libraries()
     args = _torchrun_run_dir(args)
     import hydra
 
     saved = sys.argv
-    sys.argv = ["asyncgrpo train", *args]
+    sys.argv = [f"asyncgrpo {verb}", *args]
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)(_train_job)()
+        main_fn = hydra.main(config_path=str(conf_dir()), config_name=PRIMARY_CONFIGS[algorithm], version_base=None)
+        main_fn(_train_job)()
     finally:
         sys.argv = saved
         signal.signal(signal.SIGTERM, previous)
@@ -280,6 +297,10 @@ def _probe(cfg) -> None:
     from asyncgrpo_cli.server.control import ServerControl
     from asyncgrpo_cli.server.probe import probe_server
 
+    from asyncgrpo_cli import registry
+
+    for line in registry.resolve("rollout_loop", cfg.rollout.loop).probe(cfg):  # e.g. distillation's teachers
+        print(line)
     preview = backend_class(cfg.server).probe_preview(cfg)  # a server that train starts: nothing runs yet
     if preview is not None:
         print(preview)

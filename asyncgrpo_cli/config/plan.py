@@ -18,13 +18,23 @@ def plan_lines(cfg: RootConfig) -> list[tuple[str, str]]:
     s, tr, ro, sv = cfg.sampling, cfg.trainer, cfg.rollout, cfg.server
     world = int(os.environ.get("WORLD_SIZE", "1"))
     where, mml = registry.resolve("server", sv.backend).plan(sv)  # protocols.ServerBackend.plan
-    budget = (
-        str(cfg.packing.token_budget)
-        if cfg.packing.token_budget
-        else (
-            f"{mml} (the server's max_model_len)" if mml else "the server's max_model_len (queried at start)"
+    tb = cfg.packing.token_budget
+    if tb is not None and tb <= 0:
+        budget_line = (
+            f"none (packing.token_budget={tb}): {cfg.packing.samples_per_row} samples per row, Σ L² balanced; "
+            f"packing={cfg.packing.kind}"
         )
-    )
+    else:
+        budget = (
+            str(tb)
+            if tb
+            else (
+                f"{mml} (the server's max_model_len)"
+                if mml
+                else "the server's max_model_len (queried at start)"
+            )
+        )
+        budget_line = f"{budget} tokens per row; packing={cfg.packing.kind}"
     if tr.max_steps > 0:
         length = f"{tr.max_steps} optimizer steps (trainer.max_steps)"
     else:
@@ -46,12 +56,13 @@ def plan_lines(cfg: RootConfig) -> list[tuple[str, str]]:
             f"{world} trainer process(es); {rows} row(s) per optimizer step "
             f"({tr.gradient_accumulation_steps} micro-batch(es) x {world} rank(s))",
         ),
-        ("token budget", f"{budget} tokens per row; packing={cfg.packing.kind}"),
+        ("token budget", budget_line),
         (
             "data",
             f"{cfg.data.source}"
             + (f" {cfg.data.path}" if cfg.data.path else "")
-            + f" (prompt column {cfg.data.prompt_column!r})",
+            + f" (prompt column {cfg.data.prompt_column!r})"
+            + (f" + {len(cfg.data.mix)} more dataset(s) (data.mix)" if cfg.data.mix else ""),
         ),
         (
             "generation",
@@ -64,13 +75,7 @@ def plan_lines(cfg: RootConfig) -> list[tuple[str, str]]:
                 else ""
             ),
         ),
-        ("rewards", ", ".join(str(f) for f in cfg.rewards.funcs) + " (summed, weight 1)"),
-        (
-            "loss",
-            f"{cfg.loss.name}; IS mask [{cfg.loss.vllm_importance_sampling_clip_min:g}, "
-            f"{cfg.loss.vllm_importance_sampling_clip_max:g}]; trust region "
-            f"[{1 - cfg.loss.epsilon:g}, {1 + eps_high:g}]",
-        ),
+        *(_distill_lines(cfg) if cfg.algorithm == "distill" else [_grpo_rewards(cfg), _grpo_loss(cfg, eps_high)]),
         (
             "staleness",
             f"max_staleness={ro.max_staleness}: generation held to {max(ro.max_staleness, 1)} step(s) "
@@ -83,6 +88,51 @@ def plan_lines(cfg: RootConfig) -> list[tuple[str, str]]:
         ("resume", str(tr.resume)),
         ("metrics", ", ".join(cfg.logging.sinks) + f" every {cfg.logging.logging_steps} step(s)"),
     ]
+
+
+def _grpo_rewards(cfg: RootConfig) -> tuple[str, str]:
+    return ("rewards", ", ".join(str(f) for f in cfg.rewards.funcs) + " (summed, weight 1)")
+
+
+def _grpo_loss(cfg: RootConfig, eps_high: float) -> tuple[str, str]:
+    return (
+        "loss",
+        f"{cfg.loss.name}; IS mask [{cfg.loss.vllm_importance_sampling_clip_min:g}, "
+        f"{cfg.loss.vllm_importance_sampling_clip_max:g}]; trust region "
+        f"[{1 - cfg.loss.epsilon:g}, {1 + eps_high:g}]",
+    )
+
+
+def _distill_lines(cfg: RootConfig) -> list[tuple[str, str]]:
+    """The teachers and the divergence of a distillation run."""
+    from asyncgrpo_cli.config.teacher import teacher_servers
+
+    lo, te = cfg.loss, cfg.teacher
+    servers = teacher_servers(te)
+    lines = [(f"teacher {t.id}", t.describe()) for t in servers]
+    if len(servers) > 1:
+        lines.append(("routing", f"each row by its {te.id_column!r} column (MOPD; never averaged)"))
+    if lo.beta == 0:
+        kind, support = "forward KL(teacher || student)", f"the teacher's top-{te.top_k} + the sampled token"
+    elif lo.beta == 1:
+        kind, support = "reverse KL(student || teacher)", "the sampled token"
+    else:
+        kind, support = f"generalized JSD (beta={lo.beta:g})", "the teacher's top-1 + the sampled token"
+    tail = "with the tail bucket" if lo.add_tail_bucket else "renormalized over the support (no tail bucket)"
+    lines += [
+        (
+            "loss",
+            f"{lo.name}: {kind} over {support}, {tail}; teacher_temperature={lo.teacher_temperature:g}; "
+            f"teacher top_k={te.top_k} per position",
+        ),
+        (
+            "rewards",
+            (", ".join(str(f) for f in cfg.rewards.funcs) + " (logged only, not trained on)")
+            if cfg.rewards.funcs
+            else "none (the teacher is the signal)",
+        ),
+    ]
+    return lines
 
 
 def explain_group(group: str) -> list[tuple[str, str, str, str]]:

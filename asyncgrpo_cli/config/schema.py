@@ -309,7 +309,12 @@ class PackingConfig:
         "or sequence (padding-free rows with per-sample attention isolation).",
     )
     token_budget: int | None = F(
-        None, "Max forwarded tokens in one row (one rank's micro-batch); None: the server's max_model_len."
+        None,
+        "Max forwarded tokens in one row (one rank's micro-batch); None: the server's max_model_len; <= 0: no "
+        "token budget, each micro-batch takes packing.samples_per_row samples per rank (Σ L² balanced).",
+    )
+    samples_per_row: int = F(
+        8, "Samples per row when packing.token_budget <= 0 (per_device_train_batch_size)."
     )
 
 
@@ -442,7 +447,7 @@ class TeacherConfig:
         help="Teacher id -> server: a URL (a running vLLM teacher, e.g. http://localhost:8001) or {backend: "
         "embedded, model: NAME_OR_PATH} (a scoring-only embedded server that the run starts). One entry = "
         "plain distillation; several = MOPD, each row routed by its teacher.id_column.",
-        factory=lambda: {"default": "http://localhost:8001"},
+        factory=dict,
     )
     top_k: int = F(
         8,

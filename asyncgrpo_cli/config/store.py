@@ -24,6 +24,7 @@ GROUPS = {
     "trainer": schema.TrainerConfig,
     "data": schema.DataConfig,
     "logging": schema.LoggingConfig,
+    "teacher": schema.TeacherConfig,
 }
 
 _registered = False

@@ -164,9 +164,73 @@ def prepare_dataset(ds, cfg: DataConfig):
     return ds
 
 
+def _with_columns(ds, cfg: DataConfig):
+    """``data.columns``: constant columns added to every row (replacing a column of that name)."""
+    for name, value in cfg.columns.items():
+        if name == "prompt":
+            raise UserError("data.columns cannot set 'prompt': name the prompt column with data.prompt_column.")
+        if name in ds.column_names:
+            ds = ds.remove_columns(name)
+        ds = ds.add_column(name, [value] * len(ds))
+    return ds
+
+
+def _part(cfg: DataConfig, i: int, entry: Any) -> DataConfig:
+    import dataclasses
+
+    if not hasattr(entry, "keys"):
+        raise UserError(f"data.mix[{i}] is {entry!r}: give a mapping of data keys, e.g. {{path: ..., columns: ...}}.")
+    fields = {f.name for f in dataclasses.fields(DataConfig)} - {"mix"}
+    for key in entry:
+        if key not in fields:
+            import difflib
+
+            close = difflib.get_close_matches(str(key), sorted(fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise UserError(f"data.mix[{i}].{key} is not a data setting{hint}")
+    changes = dict(entry)
+    changes.setdefault("columns", {})  # a part's constant columns are its own
+    return dataclasses.replace(cfg, mix=[], **changes)
+
+
 def load_prompts(cfg: DataConfig):
-    """Load the configured dataset and prepare its prompts."""
-    return prepare_dataset(load_dataset_for(cfg), cfg)
+    """Load the configured dataset (and every ``data.mix`` part after it), prepare its prompts, add the
+    ``data.columns``. With parts, only the columns every part has are kept."""
+    parts = [cfg, *(_part(cfg, i, e) for i, e in enumerate(cfg.mix))]
+    loaded = [_with_columns(prepare_dataset(load_dataset_for(p), p), p) for p in parts]
+    if len(loaded) == 1:
+        return loaded[0]
+    import datasets
+
+    shared = [c for c in loaded[0].column_names if all(c in d.column_names for d in loaded[1:])]
+    for i, d in enumerate(loaded):
+        dropped = [c for c in d.column_names if c not in shared]
+        if dropped:
+            log.info("data part %d: dropping columns the other parts lack: %s", i, ", ".join(dropped))
+    loaded = [d.select_columns(shared) for d in loaded]
+    try:
+        return datasets.concatenate_datasets(loaded)
+    except ValueError as e:
+        raise UserError(f"data.mix: the parts cannot be concatenated ({e}); give their shared columns one type.") from e
+
+
+def load_gsm8k(cfg: DataConfig):
+    """GSM8K (``openai/gsm8k``, config ``main``, or data.path): ``question`` is the prompt, and the number after
+    ``####`` in ``answer`` becomes the ``solution`` column the accuracy reward reads."""
+    import dataclasses
+
+    ds = load_hf(dataclasses.replace(cfg, path=cfg.path or "openai/gsm8k", name=cfg.name or "main"))
+    for column in ("question", "answer"):
+        if column not in ds.column_names:
+            raise UserError(
+                f"data.source=gsm8k expects GSM8K's 'question' and 'answer' columns; {cfg.path or 'openai/gsm8k'} "
+                f"has {', '.join(ds.column_names)}: use data.source=hf with data.prompt_column instead."
+            )
+
+    def convert(row):
+        return {"prompt": row["question"], "solution": row["answer"].split("####")[-1].strip().replace(",", "")}
+
+    return ds.map(convert, remove_columns=[c for c in ("question",) if c in ds.column_names], desc="gsm8k")
 
 
 class PromptOrder:

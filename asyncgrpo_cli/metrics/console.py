@@ -58,8 +58,13 @@ def fmt_duration(seconds: float | None) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def _get(name: str) -> Callable[[Mapping[str, float]], str | None]:
-    return lambda m: fmt_num(m[name]) if name in m else None
+def _get(*names: str) -> Callable[[Mapping[str, float]], str | None]:
+    """The first of ``names`` in the window (a metric may be logged under another name: ``logging.rename``)."""
+
+    def read(m: Mapping[str, float]) -> str | None:
+        return next((fmt_num(m[n]) for n in names if n in m), None)
+
+    return read
 
 
 def _kept(m: Mapping[str, float]) -> str | None:
@@ -71,13 +76,15 @@ def _kept(m: Mapping[str, float]) -> str | None:
 HEADLINE: list[tuple[str, Callable[[Mapping[str, float]], str | None]]] = [
     ("reward", _get("reward")),
     ("groups kept", _kept),
-    ("stale-dropped", _get("sample/dropped_stale_count")),
+    ("stale-dropped", _get("sample/dropped_stale_count", "sample/dropped_stale_total")),
     ("loss", _get("loss")),
+    ("jsd", _get("jsd")),
     ("staleness", _get("sample/staleness_mean")),
-    ("queue", _get("rollout/queue_size")),
-    ("train tok/s", _get("perf/wall_clock_trained_tokens_per_s")),
-    ("gen tok/s", _get("rollout/generated_tokens_per_s")),
+    ("queue", _get("rollout/queue_size", "sample/rollout_queue_size")),
+    ("train tok/s", _get("perf/wall_clock_trained_tokens_per_s", "perf/trained_tok_s_wall_clock")),
+    ("gen tok/s", _get("rollout/generated_tokens_per_s", "rollout/generated_tok_s")),
     ("entropy", _get("entropy")),
+    ("teacher entropy", _get("teacher_entropy")),
     ("is_ratio", _get("sampling/importance_sampling_ratio/mean")),
     ("step_s", _get("perf/step_s")),
 ]

@@ -46,6 +46,7 @@ class MetricsLogger:
     ):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
+        self._rename = {str(k): str(v) for k, v in cfg.rename.items()}
         self.view: ConsoleView | None = None
         self._sinks: list[Sink] = []
         try:
@@ -63,8 +64,10 @@ class MetricsLogger:
             raise
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Write one logging window (the output of ``MetricWindow.reduce()``) at optimizer step ``step``."""
-        window = dict(metrics)
+        """Write one logging window (the output of ``MetricWindow.reduce()``) at optimizer step ``step``, its
+        names mapped through ``logging.rename`` (already reduced: a renamed counter was summed as a counter)."""
+        rename = self._rename
+        window = dict(sorted((rename.get(k, k), v) for k, v in metrics.items()))
         for sink in self._sinks:
             sink.log(step, window)
 

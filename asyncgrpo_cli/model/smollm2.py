@@ -149,3 +149,36 @@ def build_smollm2(dest: Path) -> Path:
     model.save_pretrained(dest)
     tokenizer.save_pretrained(dest)
     return dest
+
+
+STUDENT_LAYERS = tuple(range(0, 30, 3))
+"""Decoder layers of SmolLM2-135M-Instruct the distillation quickstart's student keeps (10 of 30, every third).
+Measured on 12 arithmetic prompts (64 tokens at T=0.7): the teacher's mean log-prob of its own samples is -0.73,
+of this student's -3.9 (it still writes words; keeping every second layer, or the first 20 plus the last, gave
+-5.4 to -7.0)."""
+
+
+def build_smollm2_student(dest: Path) -> Path:
+    """Write the distillation quickstart's student: SmolLM2-135M-Instruct with only ``STUDENT_LAYERS`` (same
+    tokenizer and chat template, 63M parameters), a smaller model that has much to learn from the full one."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncgrpo_cli.model.resolve import resolve_model_path
+
+    src = resolve_model_path("builtin:smollm2-135m-instruct")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    layers = model.model.layers
+    model.model.layers = torch.nn.ModuleList([layers[i] for i in STUDENT_LAYERS])
+    for j, layer in enumerate(model.model.layers):
+        layer.self_attn.layer_idx = j
+    model.config.num_hidden_layers = len(STUDENT_LAYERS)
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = [model.config.layer_types[i] for i in STUDENT_LAYERS]
+    model.config._model_name_or_path = f"SmolLM2-135M-Instruct, decoder layers {list(STUDENT_LAYERS)}"
+    model.to(torch.bfloat16)
+    dest.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dest)
+    AutoTokenizer.from_pretrained(src).save_pretrained(dest)
+    model.generation_config.save_pretrained(dest)
+    return dest

@@ -94,3 +94,9 @@ def build_tiny_qwen3(dest: Path, *, seed: int = 0, hidden_size: int = 128, num_l
     model.save_pretrained(dest)
     tokenizer.save_pretrained(dest)
     return dest
+
+
+def build_tiny_qwen3_teacher(dest: Path) -> Path:
+    """The tiny Qwen3 with other random weights (seed 1) and the same tokenizer: a teacher that disagrees with
+    ``tiny-qwen3`` for distillation tests and the ``distill_tiny`` recipe."""
+    return build_tiny_qwen3(dest, seed=1)

@@ -153,3 +153,64 @@ class TokenBudgetPlanner:
         )
         self._reset()
         return batch
+
+
+class FixedCountPlanner:
+    """``packing.token_budget <= 0``: no token budget; every micro-batch takes ``samples_per_row * num_ranks``
+    samples, spread over the rows to balance Σ L² (longest first, each into the row with the smallest cost so far).
+
+    ``token_budget`` is the allowance's size per row (``samples_per_row * max_len``, the most a row can hold);
+    nothing is ever dropped as oversize.
+    """
+
+    def __init__(self, samples_per_row: int, num_ranks: int, max_len: int) -> None:
+        if samples_per_row < 1 or num_ranks < 1 or max_len < 1:
+            raise ValueError(
+                f"samples_per_row ({samples_per_row}), num_ranks ({num_ranks}) and max_len ({max_len}) must be >= 1"
+            )
+        self.samples_per_row, self.num_ranks = samples_per_row, num_ranks
+        self.token_budget = samples_per_row * max_len
+        self.dropped_oversize_count = 0
+        self._open: list[TrainingSequence] = []
+
+    @property
+    def num_open_samples(self) -> int:
+        return len(self._open)
+
+    def add(self, sample: TrainingSequence) -> MicroBatch | None:
+        if len(sample) == 0:
+            raise ValueError("empty sample (no tokens) given to the planner")
+        self._open.append(sample)
+        if len(self._open) < self.samples_per_row * self.num_ranks:
+            return None
+        return self._emit()
+
+    def flush(self, allow_filler: bool = True) -> MicroBatch | None:
+        """Emit what is open (end of data); fewer samples than ranks get context-only fillers, as
+        ``TokenBudgetPlanner.flush`` explains (``allow_filler=False``: keep them open instead)."""
+        if not self._open or (len(self._open) < self.num_ranks and not allow_filler):
+            return None
+        return self._emit()
+
+    def _emit(self) -> MicroBatch:
+        rows: list[list[TrainingSequence]] = [[] for _ in range(self.num_ranks)]
+        cost = np.zeros(self.num_ranks, dtype=np.int64)
+        for sample in sorted(self._open, key=len, reverse=True):
+            rank = int(np.argmin(cost))
+            rows[rank].append(sample)
+            cost[rank] += len(sample) ** 2
+        self._open = []
+        empty = tuple(r for r, row in enumerate(rows) if not row)
+        if empty:
+            shortest = min((s for row in rows for s in row), key=len)
+            rows = [row if row else [context_only(shortest)] for row in rows]
+        lengths = [np.array([len(s) for s in row], dtype=np.int64) for row in rows]
+        return MicroBatch(
+            rows=rows,
+            samples_per_row=np.array([len(row) for row in rows], dtype=np.int64),
+            tokens_per_row=np.array([ls.sum() for ls in lengths], dtype=np.int64),
+            trained_per_row=np.array([sum(s.num_trained for s in row) for row in rows], dtype=np.int64),
+            attn_cost_per_row=np.array([(ls * ls).sum() for ls in lengths], dtype=np.int64),
+            token_budget=self.token_budget,
+            filler_ranks=empty,
+        )

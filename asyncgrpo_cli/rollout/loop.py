@@ -21,6 +21,7 @@ Subclass it and select it with ``rollout.loop=my_module:MyLoop``; ``rollout.loop
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import random
 import time
@@ -50,6 +51,8 @@ log = logging.getLogger(__name__)
 
 METRICS_INTERVAL_S = 1.0
 HEARTBEAT_INTERVAL_S = 1.0
+_CURRENT_ROW: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("asyncgrpo_current_row")
+"""The dataset row of the group a rollout task belongs to (set per group; rollout tasks inherit it)."""
 
 
 @dataclass
@@ -78,6 +81,9 @@ class RolloutSettings:
     sampling_mask: bool = False
     """Request each token's candidate set (``/inference/v1/generate``): truncated sampling on a server that
     returns sampling masks (resolved at startup by ``server.mask_support.resolve_sampling_mask``)."""
+    prepared: dict[str, Any] = field(default_factory=dict)
+    """What the loop class's ``prepare`` resolved in the trainer process before the spawn (e.g. the teacher
+    endpoints of the distillation loop); empty for the default loop."""
     versioned_model: str | None = None
     """The model name of each policy version, with ``{version}`` (LoRA adapter sync: ``policy-v{version}``): a
     group requests the version current when it starts, the one its samples are tagged with. None: every
@@ -139,6 +145,23 @@ class AsyncRolloutLoop:
         self.score_queue: asyncio.Queue[RolloutGroup] | None = None
 
     # ------------------------------------------------------------------ hooks
+    @classmethod
+    def prepare(
+        cls, cfg: Any, run_dir: Any, stack: Any, dataset: Any, tokenizer_path: str, max_model_len: int
+    ) -> dict[str, Any]:
+        """Runs once in the trainer process (rank 0) before the rollout process is spawned, after the generation
+        server started: start and check what the loop needs besides that server (the distillation loop starts
+        and probes its teachers), registering cleanups on ``stack`` (an ``ExitStack``). The returned picklable
+        dict reaches the loop as ``self.settings.prepared``. ``cfg`` is the ``RootConfig``; ``max_model_len``
+        the generation server's."""
+        return {}
+
+    @classmethod
+    def probe(cls, cfg: Any) -> list[str]:
+        """``asyncgrpo check --probe-server``: check the loop's own servers (not the generation server); one line
+        per server checked. Raises ``UserError`` with the fix."""
+        return []
+
     async def setup(self) -> None:
         """Create resources other hooks need; runs on the loop's event loop before the first prompt."""
 
@@ -200,6 +223,15 @@ class AsyncRolloutLoop:
             )
 
     # ------------------------------------------------------------------ helpers for hooks
+    @property
+    def current_row(self) -> dict[str, Any]:
+        """The dataset row (all its columns) of the group the calling rollout belongs to; valid inside
+        ``generate_one`` and what it awaits."""
+        try:
+            return _CURRENT_ROW.get()
+        except LookupError:
+            raise RuntimeError("current_row is only set inside a group's rollouts (generate_one)") from None
+
     def render(self, messages: list[dict[str, str]]) -> list[int]:
         out = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, **self.settings.chat_template_kwargs
@@ -334,6 +366,7 @@ class AsyncRolloutLoop:
             lambda: int(self.shared.model_version.value),
         )  # LoRA sync: this version's adapter name
         prompt = row["prompt"]
+        _CURRENT_ROW.set(row)  # this task's context: the rollout tasks gather creates copy it
         try:
             rollouts = await asyncio.gather(*(self._timed_rollout(prompt, group_id) for _ in range(G)))
         finally:

@@ -189,8 +189,8 @@ def _start_main_side(cfg: RootConfig, run_dir: Path, model_path: str, stack: Exi
         server.control, cfg, model_path=model_path
     )  # every capability the run needs, or the fix
     served = cfg.model.served_model_name or info.model_id
-    token_budget = cfg.packing.token_budget or info.max_model_len
-    if not token_budget:
+    token_budget = cfg.packing.token_budget if cfg.packing.token_budget is not None else info.max_model_len
+    if token_budget is None or (token_budget <= 0 and not info.max_model_len):
         raise UserError("the server does not report max_model_len in /v1/models: set packing.token_budget.")
     logger.info(
         "server %s serves %r (max_model_len=%s); token budget %d",
@@ -219,12 +219,21 @@ def _start_rollout(
     tr, state, tracker = cfg.trainer, parts.state, parts.tracker
     total_prompts = total_prompts_for(cfg, len(main.dataset))
     num_topk = cfg.sampling.num_sampler_logprobs if SAMPLER_TOPK in parts.loss_fn.needs else 0
+    loop_cls = registry.resolve("rollout_loop", cfg.rollout.loop)
+    prepared = loop_cls.prepare(  # e.g. the distillation loop starts and probes its teachers
+        cfg,
+        run_dir,
+        stack,
+        main.dataset,
+        str(parts.tokenizer.name_or_path),
+        main.info.max_model_len or max(main.token_budget, 1),
+    )
     settings = RolloutSettings(
         sampling=cfg.sampling,
         rollout=cfg.rollout,
         base_url=main.server.base_url,
         served_model=main.served,
-        max_model_len=main.info.max_model_len or main.token_budget,
+        max_model_len=main.info.max_model_len or max(main.token_budget, 1),
         server_timeout=cfg.server.timeout,
         max_retries=cfg.server.max_retries,
         num_topk=num_topk,
@@ -238,6 +247,7 @@ def _start_rollout(
         seed_offset=state.step,
         sampling_mask=main.sampling_mask,
         versioned_model=parts.weight_sync.served_name_template,  # lora: policy-v{version}
+        prepared=prepared,
     )
     rollout = RolloutProcess(
         RolloutSpec(cfg.rollout.loop, settings, main.dataset, list(cfg.rewards.funcs)),
@@ -256,7 +266,14 @@ def _start_rollout(
         total_prompts=total_prompts,
     )
     stack.callback(metrics_logger.close)
-    planner = planner_for(parts.packer)(main.token_budget, num_ranks=parts.info.world_size)
+    if main.token_budget > 0:
+        planner = planner_for(parts.packer)(main.token_budget, num_ranks=parts.info.world_size)
+    else:  # packing.token_budget <= 0: a fixed number of samples per row
+        from asyncgrpo_cli.packing.planner import FixedCountPlanner
+
+        planner = FixedCountPlanner(
+            cfg.packing.samples_per_row, parts.info.world_size, main.info.max_model_len or 1
+        )
     parts.collector = StepCollector(
         rollout, planner, tracker, cfg.rollout.max_staleness, tr.gradient_accumulation_steps, window
     )

@@ -102,6 +102,16 @@ def test_distill_scorer_stamps_one_sample_per_rollout_without_advantage():
     assert out["rollout/teacher_unscored_token_frac"] == pytest.approx(0.25)
 
 
+def test_teacher_logprob_reads_the_sampled_tokens_column():
+    from asyncgrpo_cli.rollout.scorers.distill import sampled_logprobs
+
+    s = _sample(1, 2)  # trains tokens 11 and 12
+    ids = np.array([[11, 3, -1], [4, 5, 12]])
+    lps = np.array([[-0.2, -1.0, -np.inf], [-0.1, -0.3, -2.5]], np.float32)
+    s.token_extras[TEACHER_TOPK] = TeacherTopK(ids, lps)
+    np.testing.assert_allclose(sampled_logprobs(s), [-0.2, -2.5])
+
+
 def test_distill_scorer_drops_a_rollout_the_teacher_scored_nowhere_and_needs_the_distill_loop():
     scorer = DistillScorer(ScorerContext([], MetricWindow(), None, None))
     r = _rollout(2, 2, _scores(2, missing=(0, 1)))

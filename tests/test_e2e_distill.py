@@ -18,6 +18,7 @@ DISTILL_METRICS = [
     "jsd",
     "entropy",
     "teacher_entropy",
+    "teacher_logprob",
     "teacher_jsd/default",
     "teacher_entropy/default",
     "teacher_token_frac/default",

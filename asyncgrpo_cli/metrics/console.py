@@ -84,7 +84,7 @@ HEADLINE: list[tuple[str, Callable[[Mapping[str, float]], str | None]]] = [
     ("train tok/s", _get("perf/wall_clock_trained_tokens_per_s", "perf/trained_tok_s_wall_clock")),
     ("gen tok/s", _get("rollout/generated_tokens_per_s", "rollout/generated_tok_s")),
     ("entropy", _get("entropy")),
-    ("teacher entropy", _get("teacher_entropy")),
+    ("teacher logp", _get("teacher_logprob")),
     ("is_ratio", _get("sampling/importance_sampling_ratio/mean")),
     ("step_s", _get("perf/step_s")),
 ]

@@ -11,7 +11,9 @@ Rules:
 4. reward functions, when configured, are only logged (``reward``, ``rewards/<name>/mean``): a reader sees
    the student's task accuracy move while it is trained toward the teacher.
 
-Metrics: ``rollout/teacher_unscored_token_frac`` (completion tokens without a teacher candidate).
+Metrics: ``teacher_logprob`` (the teacher's mean log-prob of the student's sampled tokens, at temperature 1:
+rises as the student's samples move toward what the teacher would write) and
+``rollout/teacher_unscored_token_frac`` (completion tokens without a teacher candidate).
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ import numpy as np
 from asyncgrpo_cli.rollout.scorers.base import AdvantageHook, ScoredGroup, ScorerContext
 from asyncgrpo_cli.rollout.scorers.grpo import GroupScorer, sum_sources
 from asyncgrpo_cli.samples import TEACHER_TOPK, RolloutGroup, TeacherTopK, TrainingSequence
+
+
+def sampled_logprobs(sample: TrainingSequence) -> np.ndarray:
+    """The teacher's log-prob of each trained (sampled) token of ``sample``: its column in the teacher rows."""
+    extra = sample.token_extras[TEACHER_TOPK]
+    realized = sample.input_ids[sample.train_mask][:, None]
+    hit = extra.ids == realized
+    return np.where(hit.any(axis=1), np.where(hit, extra.logprobs, -np.inf).max(axis=1), np.nan)
 
 
 def attach_teacher(sample: TrainingSequence, scores: TeacherTopK, start: int) -> int:
@@ -86,6 +96,8 @@ class DistillScorer:
                 unscored += attach_teacher(s, scores, start)
                 if s.num_trained == 0:
                     continue
+                lp = sampled_logprobs(s)
+                self.metrics.extend("teacher_logprob", lp[np.isfinite(lp)])
                 s.advantage = 0.0
                 s.group_id, s.prompt_seq, s.model_version = group.group_id, group.prompt_seq, group.model_version
                 s.reward = float(rewards[i])

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncgrpo_cli.model.logprobs import TokenStats, token_logprobs
+from asyncgrpo_cli.train.flops import attended_pairs
 from asyncgrpo_cli.samples import TrainingSequence
 
 if TYPE_CHECKING:
@@ -32,6 +33,8 @@ class StepResult:
     unpacked: int = 0
     fwd_s: float = 0.0
     fwd_bwd_s: float = 0.0
+    attn_pairs: int = 0
+    """(query, key) pairs the rows attended (``train/flops.py``)."""
 
 
 def forward_backward(
@@ -52,7 +55,9 @@ def forward_backward(
         (), dtype=torch.float64, device=device
     )  # read once: the next row packs during backward
     for samples in rows:
-        row = packer.pack(samples).to(device)
+        packed = packer.pack(samples)
+        out.attn_pairs += attended_pairs(packed.leave)
+        row = packed.to(device)
         t0 = time.monotonic()
         stats = _through_root(model, row, temperature, with_topk)
         loss, raw = loss_fn(stats, row, num_trained)

@@ -66,6 +66,11 @@ class Trainer:
         self._last_save_step = parts.state.step if parts.state.step > 0 else -1  # resumed: that step is saved
         self._last_logged_step = parts.state.step
         self._push_owed = False  # a scheduled weight push did not reach the server (rollout.resync)
+        from asyncgrpo_cli.train.flops import StepFlops, peak_tflops
+
+        compute = cfg.trainer.mixed_precision or cfg.model.dtype
+        self._peak = peak_tflops(parts.device, compute)
+        self._flops = StepFlops(parts.model) if self._peak is not None else None
 
     # ------------------------------------------------------------------ loop
     def train(self) -> TrainerState:
@@ -122,7 +127,7 @@ class Trainer:
         )
         raw = reduce_raw_metrics(merge_metric_parts(res.raw_parts), self.info)
         records = p.loss_fn.metric_records(raw)
-        totals = self._sum_over_ranks([res.loss, res.forwarded, res.unpacked])
+        totals = self._sum_over_ranks([res.loss, res.forwarded, res.unpacked, res.attn_pairs])
         t_opt = time.monotonic()
         grad_norm = clip_and_step(p.model, p.optimizer, p.scheduler, self.cfg.trainer.max_grad_norm)
         t_opt = time.monotonic() - t_opt
@@ -138,6 +143,11 @@ class Trainer:
         times = StepTimes(
             step_s=time.monotonic() - t_step, fwd_s=res.fwd_s, fwd_bwd_s=res.fwd_bwd_s, optimizer_s=t_opt
         )
+        if self._peak is not None:  # MFU where the device's peak at the compute dtype is known
+            flops = self._flops(forwarded, step.num_trained, int(totals[3]))
+            per_gpu = flops / self.info.world_size / (self._peak * 1e12)
+            self.window.add_rate("perf/mfu_fwd_bwd", per_gpu, times.fwd_bwd_s)
+            self.window.add_rate("perf/mfu_wall_clock", per_gpu, times.step_s)
         record_step(
             self.window,
             step,

@@ -86,6 +86,12 @@ _BUILTINS: list[tuple[str, str, str, str]] = [
         "masked IS + GRPO clipped surrogate (epsilon, epsilon_high)",
     ),
     (
+        "loss",
+        "jsd",
+        "asyncgrpo_cli.distill.loss:JSDLoss",
+        "generalized JSD against a teacher's sparse top-k + tail bucket (asyncgrpo distill)",
+    ),
+    (
         "packer",
         "sequence",
         "asyncgrpo_cli.packing.sequence:SequencePacker",

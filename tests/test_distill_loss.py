@@ -198,7 +198,7 @@ def test_micro_batches_sum_to_one_row():
         loss, _ = loss_fn(stats, make_row(ids[part], lps[part], targets[part]), 6)
         loss.backward()
         total += float(loss.detach())
-    assert total == pytest.approx(float(whole), rel=1e-6)
+    assert total == pytest.approx(float(whole.detach()), rel=1e-6)
     torch.testing.assert_close(logits.grad, ref_grad, rtol=1e-6, atol=1e-9)
 
 

@@ -122,11 +122,9 @@ def temper_teacher(ids: torch.Tensor, logprobs: torch.Tensor, temperature: float
     t = raw.double()
     reported = valid.any(1)
     top = valid[:, :-1]
-    log_p_min = torch.where(
-        top.any(1),
-        torch.where(top, t[:, :-1], math.inf).amin(1),
-        torch.where(valid, t, math.inf).amin(1),  # no valid top-K column: the smallest reported probability
-    )
+    all_min = torch.where(valid, t, math.inf).amin(1)  # used where no top-K column is valid
+    top_min = torch.where(top, t[:, :-1], math.inf).amin(1) if top.shape[1] else all_min
+    log_p_min = torch.where(top.any(1), top_min, all_min)
     mass = (-torch.expm1(torch.logsumexp(t, dim=1))).clamp(min=0.0)  # m
     has_tail = reported & (mass > 0)
     log_r = torch.where(has_tail, mass.log() + (1.0 / temperature - 1.0) * log_p_min, NEG_INF)

@@ -356,6 +356,7 @@ def _bench(args: list[str]) -> None:
         "trainer-overhead": "asyncgrpo_cli.bench.trainer_overhead:main",
         "embedded-server": "asyncgrpo_cli.bench.embedded_server:main",
         "lm-head": "asyncgrpo_cli.bench.lm_head:main",
+        "distill-loss": "asyncgrpo_cli.bench.distill_loss:main",
         "packing": "asyncgrpo_cli.bench.packing:main",
         "trainer": "asyncgrpo_cli.bench.trainer:main",
         "weight-sync": "asyncgrpo_cli.bench.weight_sync:main",

@@ -45,10 +45,13 @@ DISTILL_FILES = {("loss", "jsd"), ("rewards", "none"), ("teacher", "custom")}
 """Group options that only make sense under ``asyncgrpo distill`` (composed with its tiny recipe)."""
 
 
+def _recipe_for(group: str, option: str) -> str:
+    return "distill_tiny" if (group, option) in DISTILL_FILES else "tiny"
+
+
 @pytest.mark.parametrize("group,option", GROUP_FILES)
 def test_every_group_file_composes_validates_and_builds(group, option):
-    recipe = "distill_tiny" if (group, option) in DISTILL_FILES else "tiny"
-    cfg = compose_config([f"{group}={option}", f"+recipe={recipe}"])
+    cfg = compose_config([f"{group}={option}", f"+recipe={_recipe_for(group, option)}"])
     _build_plugins(cfg)
 
 
@@ -169,7 +172,9 @@ def test_plugins_match_config_files():
     }
     for kind, (group, select) in pairs.items():
         files = {p.stem for p in (CONF / group).glob("*.yaml")}
-        chosen = {select(compose_config([f"{group}={f}", "+recipe=tiny"])) for f in files}
+        chosen = {
+            select(compose_config([f"{group}={f}", f"+recipe={_recipe_for(group, f)}"])) for f in files
+        }
         assert chosen == set(registry.names(kind)), (kind, chosen)
     sources = {
         compose_config([f"data={p.stem}", "+recipe=tiny"]).data.source for p in (CONF / "data").glob("*.yaml")

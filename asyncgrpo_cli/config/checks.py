@@ -240,6 +240,29 @@ def distill_needs_teachers(cfg: RootConfig) -> Iterator[str]:
         )
 
 
+def jsd_runs_under_distill(cfg: RootConfig) -> Iterator[str]:
+    """The JSD loss reads teacher scores that only the distillation loop produces, over the full vocabulary."""
+    lo, s = cfg.loss, cfg.sampling
+    if lo.name != "jsd":
+        return
+    if cfg.algorithm != "distill":
+        yield (
+            "loss.name=jsd is the distillation loss: it needs teacher scores, which only `asyncgrpo distill` "
+            "produces; run asyncgrpo distill, or pick a GRPO loss (score_centering, clipped)."
+        )
+    if s.truncates and s.sampling_mask != "off":
+        yield (
+            f"loss.name=jsd compares the student's full-vocabulary distribution with the teacher's, but "
+            f"sampling.sampling_mask={s.sampling_mask} would renormalize it over truncated sampling's candidate "
+            "sets: set sampling.sampling_mask=off (or sample without top_k / top_p / min_p)."
+        )
+    if lo.beta == 1 and not lo.add_tail_bucket:
+        yield (
+            "loss.beta=1 with loss.add_tail_bucket=false leaves the sampled token alone on the support, with "
+            "probability 1 on both sides: the loss is 0. Keep loss.add_tail_bucket=true."
+        )
+
+
 def embedded_teachers_serve_top_k(cfg: RootConfig) -> Iterator[str]:
     """An embedded teacher caps prompt_logprobs like vLLM's default --max-logprobs (20)."""
     if cfg.algorithm != "distill":
@@ -264,6 +287,7 @@ CROSS_GROUP_RULES: tuple[Callable[[RootConfig], Iterable[str]], ...] = (
     lora_policy.config_errors,  # model.lora with server.weight_sync and the server's adapter limits
     grpo_needs_groups,
     distill_needs_teachers,
+    jsd_runs_under_distill,
     embedded_teachers_serve_top_k,
 )
 """Rules that read more than one group, each a named function of the whole config."""

@@ -329,7 +329,10 @@ class RewardsConfig:
 
 @dataclass
 class LossConfig:
-    name: str = F("score_centering", "Loss plugin: score_centering (default) or clipped, or module:object.")
+    name: str = F(
+        "score_centering",
+        "Loss plugin: score_centering (GRPO default) or clipped, jsd (asyncgrpo distill), or module:object.",
+    )
     epsilon: float = F(0.2, "Lower trust-region epsilon (epsilon_low).")
     epsilon_high: float | None = F(
         None, "Upper trust-region epsilon; None: same as epsilon (DAPO uses 0.28)."

@@ -75,7 +75,17 @@ class DistillLoop(AsyncRolloutLoop):
         names = tuple(t["teacher_ids"])
         tc = t["teacher_config"]  # TeacherConfig
         self.teachers = {
-            e.id: TeacherClient(e.id, e.index, names, e.base_url, e.model, tc.top_k, tc.timeout, tc.max_retries)
+            e.id: TeacherClient(
+                e.id,
+                e.index,
+                names,
+                e.base_url,
+                e.model,
+                tc.top_k,
+                tc.timeout,
+                tc.max_retries,
+                max_connections=self.settings.rollout.max_concurrent_rollouts,
+            )
             for e in t["teachers"]
         }
         self._id_column = tc.id_column

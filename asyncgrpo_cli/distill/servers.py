@@ -78,13 +78,11 @@ def start_teachers(
             url,
             tokenizer,
             top_k=cfg.teacher.top_k,
-            need_len=max_model_len,
+            need_len=max_model_len or 0,
             startup_timeout=cfg.teacher.startup_timeout,
             timeout=cfg.teacher.timeout,
-            served_model_name=t.served_model_name,
         )
-        log.info("teacher %r at %s: %s", t.id, url, report.summary())
-        endpoints.append(TeacherEndpoint(t.id, index, url, report.model))
+        endpoints.append(TeacherEndpoint(t.id, index, report.url, t.served_model_name or report.model))
     return endpoints
 
 
@@ -108,10 +106,14 @@ def probe_external_teachers(cfg: Any) -> list[str]:
             str(t.base_url),
             tokenizer,
             top_k=cfg.teacher.top_k,
-            need_len=_student_need_len(cfg),
+            need_len=_student_need_len(cfg) or 0,
             startup_timeout=cfg.teacher.startup_timeout,
             timeout=cfg.teacher.timeout,
-            served_model_name=t.served_model_name,
         )
-        lines.append(f"teacher {t.id!r} at {t.base_url}: {report.summary()}")
+        lines.append(
+            f"teacher {t.id!r} at {report.url}: model {report.model!r}, max_model_len {report.max_model_len}, "
+            f"vLLM {report.version or '-'}, max_logprobs "
+            f"{'not reported' if report.max_logprobs is None else report.max_logprobs}, logprobs mode "
+            f"{report.logprobs_mode or '?'}: the student's tokenizer, every capability the run needs"
+        )
     return lines

@@ -272,6 +272,16 @@ def test_a_4xx_is_not_retried_and_carries_the_message():
     )
 
 
+def test_an_answer_without_prompt_logprobs_names_the_teacher():
+    with FakeVllmServer() as srv:  # the plain fake: completions without prompt_logprobs
+        with pytest.raises(TeacherRequestError) as err:
+            run_score(srv.base_url, [5, 6, 7], 1, max_retries=3)
+        assert srv.requests[ROUTE] == 1
+    msg = str(err.value)
+    assert msg.startswith(f"teacher 'default' ({srv.base_url}) answered a scoring request with no usable ")
+    assert msg.endswith("is teacher.servers.default a vLLM server?")
+
+
 def test_an_unreachable_teacher_fails_within_the_timeout():
     url = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()

@@ -227,7 +227,7 @@ def _scoring_problems(
         status, body = _score(client, report, ids, 1, head)
     if status != 200:
         return out + [_refused(report, status, body)]
-    mismatch = tokenizer_mismatch(body["choices"][0].get("prompt_logprobs") or [], ids, tokenizer)
+    mismatch = tokenizer_mismatch(body, ids, tokenizer)
     if mismatch is None:
         largest = len(tokenizer) - 1
         status, body = _score(client, report, [ids[0], largest], 1, head)
@@ -238,9 +238,7 @@ def _scoring_problems(
                 "vocabulary is smaller"
             )
         else:
-            mismatch = tokenizer_mismatch(
-                body["choices"][0].get("prompt_logprobs") or [], [ids[0], largest], tokenizer
-            )
+            mismatch = tokenizer_mismatch(body, [ids[0], largest], tokenizer)
     if mismatch is not None:
         out.append(
             Problem(
@@ -254,7 +252,7 @@ def _scoring_problems(
 
 
 def _score(client: httpx.Client, report: TeacherReport, ids: list[int], n: int, head: str) -> tuple[int, Any]:
-    """One scoring request: (200, the JSON answer) or (status, the server's message)."""
+    """One scoring request: (200, its ``prompt_logprobs`` list) or (status, the server's message)."""
     try:
         resp = client.post(ROUTE, json=scoring_payload(report.model, ids, n))
     except httpx.HTTPError as e:
@@ -265,13 +263,15 @@ def _score(client: httpx.Client, report: TeacherReport, ids: list[int], n: int, 
     if resp.status_code != 200:
         return resp.status_code, _error_message(resp)
     try:
-        body = resp.json()
-        body["choices"][0]
+        entries = resp.json()["choices"][0]["prompt_logprobs"]
+        if not isinstance(entries, list):
+            raise TypeError
     except (ValueError, KeyError, IndexError, TypeError):
         raise UserError(
-            f"{head} answered a scoring request with {resp.text[:200]!r}: is it a vLLM server?"
+            f"{head} answered a scoring request without prompt_logprobs ({resp.text[:200]!r}): is it a vLLM "
+            "server?"
         ) from None
-    return 200, body
+    return 200, entries
 
 
 def _logprobs_problem(report: TeacherReport, top_k: int, what: str) -> Problem:
@@ -308,9 +308,7 @@ def _explain(head: str, problems: list[Problem], server: ServerReport) -> str:
         fixes = [f for f in (shlex.join(p.flags) if p.flags else None, p.config_fix) if f]
         lines.append(f"  - {p.what}" + (f" (fix: {', '.join(fixes)})" if fixes else ""))
         flags += p.flags
-    if flags and server.embedded:
-        lines.append("The run's embedded teachers are configured under teacher.embedded.")
-    elif flags:
+    if flags:  # an embedded teacher's fixes are config keys
         lines.append("Restart the teacher with (every fix applied):")
         lines.append(f"  {fix_command(server, flags)}")
     return "\n".join(lines)

@@ -61,7 +61,7 @@ class DistillLoop(AsyncRolloutLoop):
         ids = teacher_ids(cfg.teacher)
         route_rows(dataset, ids, cfg.teacher.id_column)
         servers = teacher_servers(cfg.teacher)
-        endpoints = start_teachers(cfg, servers, run_dir, stack, tokenizer_path, max_model_len)
+        endpoints = start_teachers(cfg, servers, run_dir, stack, tokenizer_path, dataset, max_model_len)
         return {"teachers": endpoints, "teacher_ids": ids, "teacher_config": cfg.teacher}
 
     @classmethod

@@ -55,21 +55,42 @@ def _start_embedded(cfg: Any, t: TeacherServer, run_dir: Path, stack: ExitStack)
     return proc.base_url
 
 
+LONGEST_PROMPTS_RENDERED = 32
+"""Prompts (the longest by characters) rendered to find the longest prompt in tokens."""
+
+
+def longest_sequence(cfg: Any, dataset: Any, tokenizer: Any, max_model_len: int) -> int:
+    """The longest sequence a teacher may be asked to score: the longest prompt (in tokens, through the chat
+    template; measured on the ``LONGEST_PROMPTS_RENDERED`` longest by characters) plus
+    ``sampling.max_completion_length``, at most the student server's ``max_model_len``."""
+    prompts = dataset["prompt"]
+    sizes = sorted(range(len(prompts)), key=lambda i: -sum(len(str(m.get("content", ""))) for m in prompts[i]))
+    longest = 0
+    for i in sizes[:LONGEST_PROMPTS_RENDERED]:
+        out = tokenizer.apply_chat_template(
+            prompts[i], add_generation_prompt=True, tokenize=True, **dict(cfg.model.chat_template_kwargs)
+        )
+        longest = max(longest, len(out["input_ids"] if hasattr(out, "keys") else out))
+    return min(longest + cfg.sampling.max_completion_length, max_model_len)
+
+
 def start_teachers(
     cfg: Any,
     servers: list[TeacherServer],
     run_dir: Path,
     stack: ExitStack,
     tokenizer_path: str,
-    max_model_len: int | None,
+    dataset: Any,
+    max_model_len: int,
 ) -> list[TeacherEndpoint]:
-    """Start the embedded teachers, probe every teacher (each must score ``max_model_len`` tokens, the student
-    server's); their endpoints in teacher-id order."""
+    """Start the embedded teachers, probe every teacher (each must score the longest sequence the student can
+    produce, ``longest_sequence``); their endpoints in teacher-id order."""
     from transformers import AutoTokenizer
 
     from asyncgrpo_cli.distill.probe import probe_teacher
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    need_len = longest_sequence(cfg, dataset, tokenizer, max_model_len)
     endpoints = []
     for index, t in enumerate(servers):
         url = _start_embedded(cfg, t, run_dir, stack) if t.backend == "embedded" else str(t.base_url)
@@ -78,7 +99,7 @@ def start_teachers(
             url,
             tokenizer,
             top_k=cfg.teacher.top_k,
-            need_len=max_model_len or 0,
+            need_len=need_len,
             startup_timeout=cfg.teacher.startup_timeout,
             timeout=cfg.teacher.timeout,
         )

@@ -55,7 +55,14 @@ def main(argv: list[str] | None = None) -> None:
         print(__version__)
         return
     verb, rest = argv[0], argv[1:]
-    handlers = {"train": _train, "distill": _distill, "check": _check, "serve": _serve, "plugins": _plugins, "bench": _bench}
+    handlers = {
+        "train": _train,
+        "distill": _distill,
+        "check": _check,
+        "serve": _serve,
+        "plugins": _plugins,
+        "bench": _bench,
+    }
     handler = handlers.get(verb)
     if handler is None:
         _die(f"unknown verb {verb!r}; verbs: {', '.join(handlers)} (asyncgrpo --help)")
@@ -103,7 +110,13 @@ def _distill(args: list[str]) -> None:
 
 def _run_jobs(args: list[str], algorithm: str) -> None:
     """``train`` (grpo) and ``distill``: the same jobs, each verb composing its own primary config."""
-    from asyncgrpo_cli.config.compose import PRIMARY_CONFIGS, VERBS, algorithm_of, precheck, with_default_recipe
+    from asyncgrpo_cli.config.compose import (
+        PRIMARY_CONFIGS,
+        VERBS,
+        algorithm_of,
+        precheck,
+        with_default_recipe,
+    )
     from asyncgrpo_cli.config.store import register_schemas
     from asyncgrpo_cli.paths import conf_dir
 
@@ -127,7 +140,9 @@ def _run_jobs(args: list[str], algorithm: str) -> None:
     sys.argv = [f"asyncgrpo {verb}", *args]
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        main_fn = hydra.main(config_path=str(conf_dir()), config_name=PRIMARY_CONFIGS[algorithm], version_base=None)
+        main_fn = hydra.main(
+            config_path=str(conf_dir()), config_name=PRIMARY_CONFIGS[algorithm], version_base=None
+        )
         main_fn(_train_job)()
     finally:
         sys.argv = saved
@@ -293,11 +308,10 @@ def _check(args: list[str]) -> None:
 
 def _probe(cfg) -> None:
     """Check the external server against the run's needs (``server/probe.py``); raises UserError with the fix."""
+    from asyncgrpo_cli import registry
     from asyncgrpo_cli.server.backends import backend_class
     from asyncgrpo_cli.server.control import ServerControl
     from asyncgrpo_cli.server.probe import probe_server
-
-    from asyncgrpo_cli import registry
 
     for line in registry.resolve("rollout_loop", cfg.rollout.loop).probe(cfg):  # e.g. distillation's teachers
         print(line)

@@ -68,8 +68,11 @@ def test_a_recipe_runs_under_its_own_verb():
     from asyncgrpo_cli.config.compose import algorithm_of
 
     assert algorithm_of(["+recipe=mopd"]) == "distill" and algorithm_of(["+recipe=tiny"]) == "grpo"
-    with pytest.raises(UserError, match=r"recipe 'gsm8k_distill' is a distill recipe: run it with `asyncgrpo "
-                       r"distill \+recipe=gsm8k_distill`"):
+    with pytest.raises(
+        UserError,
+        match=r"recipe 'gsm8k_distill' is a distill recipe: run it with `asyncgrpo "
+        r"distill \+recipe=gsm8k_distill`",
+    ):
         algorithm_of(["+recipe=gsm8k_distill"], "grpo")
     with pytest.raises(UserError, match="recipe 'quickstart' is a grpo recipe: run it with `asyncgrpo train"):
         algorithm_of(["+recipe=quickstart"], "distill")
@@ -172,9 +175,7 @@ def test_plugins_match_config_files():
     }
     for kind, (group, select) in pairs.items():
         files = {p.stem for p in (CONF / group).glob("*.yaml")}
-        chosen = {
-            select(compose_config([f"{group}={f}", f"+recipe={_recipe_for(group, f)}"])) for f in files
-        }
+        chosen = {select(compose_config([f"{group}={f}", f"+recipe={_recipe_for(group, f)}"])) for f in files}
         assert chosen == set(registry.names(kind)), (kind, chosen)
     sources = {
         compose_config([f"data={p.stem}", "+recipe=tiny"]).data.source for p in (CONF / "data").glob("*.yaml")

@@ -34,7 +34,9 @@ def _sample(prompt_len: int, completion_len: int) -> TrainingSequence:
     mask = np.zeros(n, dtype=bool)
     mask[prompt_len:] = True
     lps = np.where(mask, -0.5, 0.0).astype(np.float32)
-    return TrainingSequence(input_ids=np.arange(n, dtype=np.int64) + 10, train_mask=mask, sampler_logprobs=lps)
+    return TrainingSequence(
+        input_ids=np.arange(n, dtype=np.int64) + 10, train_mask=mask, sampler_logprobs=lps
+    )
 
 
 def _scores(n: int, k: int = 2, missing: tuple[int, ...] = (), teacher: int = 0) -> TeacherTopK:
@@ -122,7 +124,9 @@ def test_distill_scorer_drops_a_rollout_the_teacher_scored_nowhere_and_needs_the
 
 
 def test_mopd_routing_names_the_row_and_the_known_ids():
-    ds = datasets.Dataset.from_list([{"prompt": "a", "teacher_id": "math"}, {"prompt": "b", "teacher_id": "chem"}])
+    ds = datasets.Dataset.from_list(
+        [{"prompt": "a", "teacher_id": "math"}, {"prompt": "b", "teacher_id": "chem"}]
+    )
     with pytest.raises(UserError, match=r"row 1 of the dataset has teacher_id='chem'.*known ids: code, math"):
         route_rows(ds, ("code", "math"), "teacher_id")
     with pytest.raises(UserError, match=r"no 'teacher_id' column \(teacher.id_column\)"):
@@ -165,12 +169,16 @@ def test_data_columns_and_mix_concatenate_the_shared_columns(tmp_path):
     assert sorted(ds.column_names) == ["prompt", "teacher_id"]
     assert ds["teacher_id"] == ["math"] * 3 + ["code"] * 2
     assert ds[4]["prompt"] == [{"role": "user", "content": "write code"}]
-    with pytest.raises(UserError, match=r"data.mix\[0\].promt_column is not a data setting; did you mean 'prompt_column'"):
+    with pytest.raises(
+        UserError, match=r"data.mix\[0\].promt_column is not a data setting; did you mean 'prompt_column'"
+    ):
         load_prompts(DataConfig(source="hf", path=a, mix=[{"promt_column": "x"}]))
 
 
 def test_gsm8k_takes_the_number_after_the_hashes(tmp_path):
-    path = _jsonl(tmp_path / "gsm8k.jsonl", [{"question": "Sam has 3 ...", "answer": "3 + 4 = 7\n#### 1,007"}])
+    path = _jsonl(
+        tmp_path / "gsm8k.jsonl", [{"question": "Sam has 3 ...", "answer": "3 + 4 = 7\n#### 1,007"}]
+    )
     ds = load_prompts(DataConfig(source="gsm8k", path=path))
     assert ds[0]["solution"] == "1007" and ds[0]["prompt"][0]["content"] == "Sam has 3 ..."
 

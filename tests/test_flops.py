@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from asyncgrpo_cli.packing.sequence import SequencePacker
 from asyncgrpo_cli.config.schema import PackingConfig
+from asyncgrpo_cli.packing.sequence import SequencePacker
 from asyncgrpo_cli.samples import TrainingSequence
 from asyncgrpo_cli.train.flops import PEAK_BF16_TFLOPS, StepFlops, attended_pairs, peak_tflops
 
@@ -26,8 +26,14 @@ def test_step_flops_counts_body_head_and_attention():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = Qwen3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
     )
     model = Qwen3ForCausalLM(cfg)
     f = StepFlops(model)

@@ -75,7 +75,11 @@ def plan_lines(cfg: RootConfig) -> list[tuple[str, str]]:
                 else ""
             ),
         ),
-        *(_distill_lines(cfg) if cfg.algorithm == "distill" else [_grpo_rewards(cfg), _grpo_loss(cfg, eps_high)]),
+        *(
+            _distill_lines(cfg)
+            if cfg.algorithm == "distill"
+            else [_grpo_rewards(cfg), _grpo_loss(cfg, eps_high)]
+        ),
         (
             "staleness",
             f"max_staleness={ro.max_staleness}: generation held to {max(ro.max_staleness, 1)} step(s) "

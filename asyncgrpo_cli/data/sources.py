@@ -168,7 +168,9 @@ def _with_columns(ds, cfg: DataConfig):
     """``data.columns``: constant columns added to every row (replacing a column of that name)."""
     for name, value in cfg.columns.items():
         if name == "prompt":
-            raise UserError("data.columns cannot set 'prompt': name the prompt column with data.prompt_column.")
+            raise UserError(
+                "data.columns cannot set 'prompt': name the prompt column with data.prompt_column."
+            )
         if name in ds.column_names:
             ds = ds.remove_columns(name)
         ds = ds.add_column(name, [value] * len(ds))
@@ -179,7 +181,9 @@ def _part(cfg: DataConfig, i: int, entry: Any) -> DataConfig:
     import dataclasses
 
     if not hasattr(entry, "keys"):
-        raise UserError(f"data.mix[{i}] is {entry!r}: give a mapping of data keys, e.g. {{path: ..., columns: ...}}.")
+        raise UserError(
+            f"data.mix[{i}] is {entry!r}: give a mapping of data keys, e.g. {{path: ..., columns: ...}}."
+        )
     fields = {f.name for f in dataclasses.fields(DataConfig)} - {"mix"}
     for key in entry:
         if key not in fields:
@@ -211,7 +215,9 @@ def load_prompts(cfg: DataConfig):
     try:
         return datasets.concatenate_datasets(loaded)
     except ValueError as e:
-        raise UserError(f"data.mix: the parts cannot be concatenated ({e}); give their shared columns one type.") from e
+        raise UserError(
+            f"data.mix: the parts cannot be concatenated ({e}); give their shared columns one type."
+        ) from e
 
 
 def load_gsm8k(cfg: DataConfig):
@@ -228,7 +234,10 @@ def load_gsm8k(cfg: DataConfig):
             )
 
     def convert(row):
-        return {"prompt": row["question"], "solution": row["answer"].split("####")[-1].strip().replace(",", "")}
+        return {
+            "prompt": row["question"],
+            "solution": row["answer"].split("####")[-1].strip().replace(",", ""),
+        }
 
     return ds.map(convert, remove_columns=[c for c in ("question",) if c in ds.column_names], desc="gsm8k")
 

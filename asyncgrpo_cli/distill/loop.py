@@ -100,12 +100,16 @@ class DistillLoop(AsyncRolloutLoop):
             return next(iter(self.teachers))
         return str(row[self._id_column])
 
-    async def generate_one(self, prompt: list[dict[str, str]], tools: list[Any], group_id: int = 0) -> Rollout:
+    async def generate_one(
+        self, prompt: list[dict[str, str]], tools: list[Any], group_id: int = 0
+    ) -> Rollout:
         rollout = await super().generate_one(prompt, tools, group_id)
         turn = rollout.turns[0]
         tid = self.teacher_for(self.current_row)
         t0 = time.monotonic()
-        scores = await self.teachers[tid].score(list(turn.prompt_ids) + list(turn.output_ids), len(turn.prompt_ids))
+        scores = await self.teachers[tid].score(
+            list(turn.prompt_ids) + list(turn.output_ids), len(turn.prompt_ids)
+        )
         elapsed = time.monotonic() - t0
         self.metrics.add("rollout/score_s", elapsed)
         self.metrics.add(f"teacher_score_s/{tid}", elapsed)

@@ -64,7 +64,9 @@ def longest_sequence(cfg: Any, dataset: Any, tokenizer: Any, max_model_len: int)
     template; measured on the ``LONGEST_PROMPTS_RENDERED`` longest by characters) plus
     ``sampling.max_completion_length``, at most the student server's ``max_model_len``."""
     prompts = dataset["prompt"]
-    sizes = sorted(range(len(prompts)), key=lambda i: -sum(len(str(m.get("content", ""))) for m in prompts[i]))
+    sizes = sorted(
+        range(len(prompts)), key=lambda i: -sum(len(str(m.get("content", ""))) for m in prompts[i])
+    )
     longest = 0
     for i in sizes[:LONGEST_PROMPTS_RENDERED]:
         out = tokenizer.apply_chat_template(

@@ -87,7 +87,9 @@ class PackedRow:
             if key == name:
                 return slice(start, start + width)
             start += width
-        raise KeyError(f"the packed row has no top-k extra {name!r} (extras: {', '.join(self.extras) or 'none'})")
+        raise KeyError(
+            f"the packed row has no top-k extra {name!r} (extras: {', '.join(self.extras) or 'none'})"
+        )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRow:
         """A copy with every tensor (extras included) on ``device`` (counts unchanged)."""

@@ -16,7 +16,14 @@ from __future__ import annotations
 
 from typing import Any
 
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "GH200": 989.0, "A100": 312.0, "B200": 2250.0}
+PEAK_BF16_TFLOPS = {
+    "H100": 989.0,
+    "H200": 989.0,
+    "H800": 989.0,
+    "GH200": 989.0,
+    "A100": 312.0,
+    "B200": 2250.0,
+}
 """Dense bf16 peak TFLOP/s by GPU name (SXM parts)."""
 
 

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncgrpo_cli.model.logprobs import TokenStats, token_logprobs
-from asyncgrpo_cli.train.flops import attended_pairs
 from asyncgrpo_cli.samples import TrainingSequence
+from asyncgrpo_cli.train.flops import attended_pairs
 
 if TYPE_CHECKING:
     from asyncgrpo_cli.protocols import Loss, Packer

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from asyncgrpo_cli.metrics.reducer import MetricWindow
 from asyncgrpo_cli.train.batching import StepBatch

@@ -99,7 +99,11 @@ class DistillScorer:
                 lp = sampled_logprobs(s)
                 self.metrics.extend("teacher_logprob", lp[np.isfinite(lp)])
                 s.advantage = 0.0
-                s.group_id, s.prompt_seq, s.model_version = group.group_id, group.prompt_seq, group.model_version
+                s.group_id, s.prompt_seq, s.model_version = (
+                    group.group_id,
+                    group.prompt_seq,
+                    group.model_version,
+                )
                 s.reward = float(rewards[i])
                 samples.append(s)
         for s in samples:

@@ -133,3 +133,74 @@ def test_train_writes_resolved_yaml_after_validation(tmp_path):
     resolved = OmegaConf.load(run / "resolved.yaml")
     assert resolved.server.embedded.enable_lora is True and resolved.server.vllm_launch.max_loras == 6
     assert resolved.recipe == "tiny" and resolved.data.path == str(empty)
+
+
+def _distill_errors(*overrides: str) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        compose_config(["+recipe=distill_tiny", *overrides])
+    return info.value.errors
+
+
+def test_distillation_settings_are_checked_before_anything_starts():
+    assert _distill_errors("loss.beta=-0.1") == [
+        "loss.beta (-0.1) must be in [0, 1]: 0 is forward KL (the default), 1 reverse KL (MOPD), in between the "
+        "generalized JSD."
+    ]
+    assert _distill_errors("loss.teacher_temperature=0")[0].startswith(
+        "loss.teacher_temperature (0.0) must be > 0"
+    )
+    assert _distill_errors("teacher.top_k=0")[0].startswith("teacher.top_k (0) must be >= 1")
+    assert "above the embedded teacher's 20 log-probs" in _distill_errors("teacher.top_k=32")[0]
+    assert (
+        "the loss is 0. Keep loss.add_tail_bucket=true"
+        in _distill_errors("loss.beta=1", "loss.add_tail_bucket=false")[0]
+    )
+    assert (
+        "set sampling.sampling_mask=off"
+        in _distill_errors("sampling.top_k=5", "sampling.sampling_mask=auto")[0]
+    )
+    assert _distill_errors("teacher.servers.default=localhost:8001") == [
+        "teacher.servers.default ('localhost:8001') must start with http:// or https://."
+    ]
+    assert _distill_errors("~teacher.servers.default", "+teacher.servers.math={backend: embedded}") == [
+        "teacher.servers.math: backend embedded needs model (a hub id, a local directory or builtin:NAME)."
+    ]
+    assert _distill_errors(
+        "~teacher.servers.default", "+teacher.servers.math={backend: embedded, modle: x}"
+    ) == ["teacher.servers.math.modle is not a teacher server setting; did you mean 'model'?"]
+    assert "teacher.servers is empty" in _distill_errors("~teacher.servers.default")[0]
+
+
+def test_grpo_keeps_its_group_rules_and_refuses_the_distillation_loss():
+    assert _errors("sampling.num_generations=1") == [
+        "sampling.num_generations (1) must be >= 2: GRPO normalizes rewards within a group."
+    ]
+    assert _errors("rewards=none") == ["rewards.funcs is empty: give at least one reward function."]
+    assert "loss.name=jsd is the distillation loss" in _errors("loss=jsd")[0]
+    assert compose_config(["+recipe=distill_tiny", "sampling.num_generations=1"]).rewards.funcs == []
+
+
+def test_check_plans_a_distillation_run_without_a_server_or_torch():
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from asyncgrpo_cli.cli import main\n"
+        "main(['check', '+recipe=gsm8k_distill', 'loss.beta=0.5', 'teacher.top_k=32'])\n"
+        "assert 'torch' not in sys.modules, 'check imported torch'\n"
+    )
+    env = {**os.environ, "COLUMNS": "400"}  # one table line per plan line
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = " ".join(out.stdout.split())
+    for part in (
+        "teacher default",
+        "http://localhost:8001",
+        "generalized JSD (beta=0.5) over the teacher's top-1 + the sampled token, with the tail bucket",
+        "teacher top_k=32",
+        "vllm server at http://localhost:8000",
+        "the server's max_model_len",
+        "config OK",
+    ):
+        assert part in text, (part, text)

@@ -156,3 +156,34 @@ def test_probe(backend, tiny_model_dir):
         f"  python -m {CPU_SERVER_MODULE} --model {tiny_model_dir} --served-model-name {NAME} --port "
         f"{httpx.URL(backend.base_url).port} --max-model-len {MAX_LEN + 1} --max-logprobs -1"
     )
+
+
+@pytest.mark.slow
+def test_asyncgrpo_distill_end_to_end_with_a_vllm_teacher(backend, tmp_path):
+    """`asyncgrpo distill` with the student on the embedded server and the teacher on real vLLM."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    args = [
+        sys.executable,
+        "-m",
+        "asyncgrpo_cli",
+        "distill",
+        "+recipe=distill_tiny",
+        "logging.console=plain",
+        f"teacher.servers.default={backend.base_url}",
+        "trainer.max_steps=2",
+        "trainer.save_final=false",
+        f"hydra.run.dir={run}",
+    ]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**os.environ})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    # vLLM serves the student's own initial weights: after at most one update, the divergence is tiny
+    assert abs(rows[0]["jsd"]) < 1e-4, [(r["jsd"], r["teacher_token_frac/default"]) for r in rows]
+    assert all(r["teacher_token_frac/default"] == 1.0 for r in rows)
+    assert any("teacher_score_s/default" in r for r in rows)

@@ -36,6 +36,14 @@ quickstart *ARGS: setup
 tiny *ARGS: setup
     {{venv}}/bin/asyncgrpo train +recipe=tiny {{ARGS}}
 
+# the offline distillation quickstart: SmolLM2-135M-Instruct teaches a 24-layer cut of itself (~15 min on 2 cores)
+distill-quickstart *ARGS: setup
+    {{venv}}/bin/asyncgrpo distill {{ARGS}}
+
+# a few distillation steps of the tiny models (seconds)
+distill-tiny *ARGS: setup
+    {{venv}}/bin/asyncgrpo distill +recipe=distill_tiny {{ARGS}}
+
 # lint and format check
 lint: setup
     {{venv}}/bin/ruff check .

@@ -209,7 +209,7 @@ _BUILTINS: list[tuple[str, str, str, str]] = [
         "model",
         "smollm2-student",
         "asyncgrpo_cli.model.smollm2:build_smollm2_student",
-        "SmolLM2-135M-Instruct cut to 10 of its 30 layers (same tokenizer): the distillation quickstart's student",
+        "SmolLM2-135M-Instruct without layers 14-19 (24 of 30, same tokenizer): the distillation quickstart's student",
     ),
 ]
 

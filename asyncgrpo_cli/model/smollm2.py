@@ -151,16 +151,18 @@ def build_smollm2(dest: Path) -> Path:
     return dest
 
 
-STUDENT_LAYERS = tuple(range(0, 30, 3))
-"""Decoder layers of SmolLM2-135M-Instruct the distillation quickstart's student keeps (10 of 30, every third).
-Measured on 12 arithmetic prompts (64 tokens at T=0.7): the teacher's mean log-prob of its own samples is -0.73,
-of this student's -3.9 (it still writes words; keeping every second layer, or the first 20 plus the last, gave
--5.4 to -7.0)."""
+STUDENT_LAYERS = tuple(i for i in range(30) if not 14 <= i <= 19)
+"""Decoder layers of SmolLM2-135M-Instruct the distillation quickstart's student keeps: 24 of 30 (layers 14-19
+dropped). Measured on 16 arithmetic prompts, 64 tokens sampled at T=1: the teacher's mean log-prob of the
+teacher's own samples is -1.68, of this student's -3.35 (coherent English, no correct sums). Other cuts were worse
+or broken: layers 12-14 dropped -2.57 (only 3 fewer), 10-15 -3.66, 8-16 -5.06, 4-9 -7.38, every third layer kept
+-3.9 (gibberish), every second -7.0."""
 
 
 def build_smollm2_student(dest: Path) -> Path:
     """Write the distillation quickstart's student: SmolLM2-135M-Instruct with only ``STUDENT_LAYERS`` (same
-    tokenizer and chat template, 63M parameters), a smaller model that has much to learn from the full one."""
+    tokenizer and chat template, 114M parameters of 135M), a smaller model that has much to learn from the full
+    one."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

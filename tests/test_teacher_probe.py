@@ -203,3 +203,23 @@ def test_an_unreachable_teacher_fails_within_the_startup_timeout(student_tokeniz
         f"teacher 'default' at {url} (teacher.servers.default): it did not answer GET /health"
     )
     assert "teacher.startup_timeout=1s" in msg and "fix teacher.servers.default" in msg
+
+
+def test_check_probe_server_probes_every_running_teacher(same, other_vocab):
+    """`asyncgrpo check --probe-server` probes the teachers of a distillation config, not only the student."""
+    import os
+    import subprocess
+    import sys
+
+    def check(url: str) -> subprocess.CompletedProcess:
+        args = ["check", "+recipe=distill_tiny", f"teacher.servers.default={url}", "--probe-server"]
+        env = {**os.environ, "COLUMNS": "300"}
+        cmd = [sys.executable, "-m", "asyncgrpo_cli", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+
+    ok = check(same.base_url)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert f"teacher 'default' at {same.base_url}" in ok.stdout and "the student's tokenizer" in ok.stdout
+    assert "the embedded server is started by train" in ok.stdout  # the student: nothing to probe yet
+    bad = check(other_vocab.base_url)
+    assert bad.returncode == 2 and "teacher 'default'" in bad.stderr, bad.stderr[-2000:]

@@ -110,7 +110,8 @@ def start_teachers(
 
 
 def probe_external_teachers(cfg: Any) -> list[str]:
-    """``asyncgrpo check --probe-server``: probe every running teacher (embedded ones are started by the run)."""
+    """``asyncgrpo check --probe-server``: probe every running teacher (embedded ones are started by the run),
+    for the longest prompt of the data plus ``sampling.max_completion_length``."""
     from transformers import AutoTokenizer
 
     from asyncgrpo_cli.distill.probe import probe_teacher
@@ -123,13 +124,17 @@ def probe_external_teachers(cfg: Any) -> list[str]:
             lines.append(f"teacher {t.id!r}: {t.describe()}; nothing to probe")
             continue
         if tokenizer is None:
+            from asyncgrpo_cli.data.sources import load_prompts
+
             tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.name_or_path))
+            cap = _student_need_len(cfg) or 1 << 30  # the student server's max_model_len when the config says
+            need_len = longest_sequence(cfg, load_prompts(cfg.data), tokenizer, cap)
         report = probe_teacher(
             t.id,
             str(t.base_url),
             tokenizer,
             top_k=cfg.teacher.top_k,
-            need_len=_student_need_len(cfg) or 0,
+            need_len=need_len,
             startup_timeout=cfg.teacher.startup_timeout,
             timeout=cfg.teacher.timeout,
         )

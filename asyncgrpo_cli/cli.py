@@ -12,7 +12,8 @@ from pathlib import Path
 from asyncgrpo_cli import __version__
 from asyncgrpo_cli.errors import RunFailure, UserError
 
-USAGE = f"""asyncgrpo {__version__}: asynchronous RL post-training of LLMs (async GRPO), configured with Hydra.
+USAGE = f"""asyncgrpo {__version__}: asynchronous RL post-training of LLMs (async GRPO, async on-policy distillation),
+configured with Hydra.
 
 usage: asyncgrpo VERB [OVERRIDES...]
 

@@ -69,6 +69,13 @@ def train_cmd(run: Path, *overrides: str) -> list[str]:
     ]  # fmt: skip
 
 
+def _as_from_a_terminal() -> None:
+    """A terminal's foreground job has SIGINT's default disposition. A suite started in the background of a
+    non-interactive shell (``cmd &``) inherits SIGINT *ignored*, which Python keeps (it then installs no
+    KeyboardInterrupt handler) and passes on: the run would ignore the test's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_train(run: Path, *overrides: str) -> subprocess.Popen:
     """A run in a session of its own, as from a terminal: the test signals its whole group."""
     return subprocess.Popen(
@@ -77,6 +84,7 @@ def start_train(run: Path, *overrides: str) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         env=env(),
+        preexec_fn=_as_from_a_terminal,
         start_new_session=True,
     )
 

@@ -136,23 +136,31 @@ class TokenBudgetPlanner:
         empty = [r for r, row in enumerate(self._rows) if not row]
         if empty and not allow_filler:
             return None
-        shortest = min((s for row in self._rows for s in row), key=len)
-        rows = [row if row else [context_only(shortest)] for row in self._rows]
-        return self._emit(rows, filler_ranks=tuple(empty))
+        return self._emit(self._rows)
 
-    def _emit(self, rows: list[list[TrainingSequence]], filler_ranks: tuple[int, ...] = ()) -> MicroBatch:
-        lengths = [np.array([len(s) for s in row], dtype=np.int64) for row in rows]
-        batch = MicroBatch(
-            rows=rows,
-            samples_per_row=np.array([len(row) for row in rows], dtype=np.int64),
-            tokens_per_row=np.array([ls.sum() for ls in lengths], dtype=np.int64),
-            trained_per_row=np.array([sum(s.num_trained for s in row) for row in rows], dtype=np.int64),
-            attn_cost_per_row=np.array([(ls * ls).sum() for ls in lengths], dtype=np.int64),
-            token_budget=self.token_budget,
-            filler_ranks=filler_ranks,
-        )
+    def _emit(self, rows: list[list[TrainingSequence]]) -> MicroBatch:
+        batch = micro_batch(rows, self.token_budget)
         self._reset()
         return batch
+
+
+def micro_batch(rows: list[list[TrainingSequence]], token_budget: int) -> MicroBatch:
+    """The ``MicroBatch`` of ``rows`` (one per rank); an empty rank gets a context-only copy of the shortest sample
+    (:func:`context_only`), listed in ``filler_ranks``."""
+    empty = tuple(r for r, row in enumerate(rows) if not row)
+    if empty:
+        shortest = min((s for row in rows for s in row), key=len)
+        rows = [row if row else [context_only(shortest)] for row in rows]
+    lengths = [np.array([len(s) for s in row], dtype=np.int64) for row in rows]
+    return MicroBatch(
+        rows=rows,
+        samples_per_row=np.array([len(row) for row in rows], dtype=np.int64),
+        tokens_per_row=np.array([ls.sum() for ls in lengths], dtype=np.int64),
+        trained_per_row=np.array([sum(s.num_trained for s in row) for row in rows], dtype=np.int64),
+        attn_cost_per_row=np.array([(ls * ls).sum() for ls in lengths], dtype=np.int64),
+        token_budget=token_budget,
+        filler_ranks=empty,
+    )
 
 
 class FixedCountPlanner:
@@ -200,17 +208,4 @@ class FixedCountPlanner:
             rows[rank].append(sample)
             cost[rank] += len(sample) ** 2
         self._open = []
-        empty = tuple(r for r, row in enumerate(rows) if not row)
-        if empty:
-            shortest = min((s for row in rows for s in row), key=len)
-            rows = [row if row else [context_only(shortest)] for row in rows]
-        lengths = [np.array([len(s) for s in row], dtype=np.int64) for row in rows]
-        return MicroBatch(
-            rows=rows,
-            samples_per_row=np.array([len(row) for row in rows], dtype=np.int64),
-            tokens_per_row=np.array([ls.sum() for ls in lengths], dtype=np.int64),
-            trained_per_row=np.array([sum(s.num_trained for s in row) for row in rows], dtype=np.int64),
-            attn_cost_per_row=np.array([(ls * ls).sum() for ls in lengths], dtype=np.int64),
-            token_budget=self.token_budget,
-            filler_ranks=empty,
-        )
+        return micro_batch(rows, self.token_budget)

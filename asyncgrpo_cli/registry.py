@@ -23,7 +23,19 @@ from typing import Any
 
 from asyncgrpo_cli.errors import UserError
 
-KINDS = ("reward", "loss", "packer", "server", "weight_sync", "rollout_loop", "scorer", "dataset", "model")
+KINDS = (
+    "reward",
+    "loss",
+    "packer",
+    "server",
+    "weight_sync",
+    "rollout_loop",
+    "scorer",
+    "dataset",
+    "model",
+    "tool",
+    "environment",
+)
 
 # kind -> the config key that selects it, for error messages.
 CONFIG_KEYS = {
@@ -36,6 +48,8 @@ CONFIG_KEYS = {
     "scorer": "AsyncRolloutLoop.scorer_name",
     "dataset": "data.source",
     "model": "model.name_or_path (builtin:NAME)",
+    "tool": "rollout.tools",
+    "environment": "rollout.environment_factory",
 }
 
 
@@ -186,6 +200,30 @@ _BUILTINS: list[tuple[str, str, str, str]] = [
         "hf",
         "asyncgrpo_cli.data.sources:load_hf",
         "a Hugging Face dataset: hub id (data.path) or local json/jsonl/parquet/csv files or a saved dataset",
+    ),
+    (
+        "dataset",
+        "environment",
+        "asyncgrpo_cli.data.sources:load_environment_rows",
+        "no prompts: rows for environments whose reset() returns the task (needs trainer.max_steps)",
+    ),
+    (
+        "dataset",
+        "arithmetic_tools",
+        "asyncgrpo_cli.data.arithmetic:load_arithmetic_tools",
+        "generated multiplication problems with a calculator demo in the prompt (the tools quickstart)",
+    ),
+    (
+        "tool",
+        "calculator",
+        "asyncgrpo_cli.environments.calculator:calculator",
+        "evaluates an arithmetic expression (+ - * / ** and parentheses), safely",
+    ),
+    (
+        "environment",
+        "increment",
+        "asyncgrpo_cli.environments.counter:IncrementEnv",
+        "reach a random target with an increment(step) tool; reward 1.0 when the counter equals it",
     ),
     (
         "model",

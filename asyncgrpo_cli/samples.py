@@ -354,6 +354,15 @@ class Rollout:
     turns: list[TurnRecord]
     reward: float | None = None
     rollout_id: str = field(default_factory=_new_id)
+    tool_call_count: int = 0
+    """Tool calls made during the rollout."""
+    tool_failure_count: int = 0
+    """Failed tool calls: unknown tool, malformed call, the tool raised or timed out."""
+    prompt: list[dict[str, Any]] | None = None
+    """The prompt messages the rollout started from when they differ from the row's (an environment's
+    ``reset`` added its task); None: the row's prompt."""
+    env_reward: tuple[str, float | None] | None = None
+    """(environment class name, its ``get_reward()``) for a rollout whose environment defines ``get_reward``."""
     extras: dict[str, Any] = field(default_factory=dict)
     """What a loop's hook attaches for its scorer, by name (the distillation loop: ``TEACHER_TOPK``, the
     teacher's scores of the completion tokens, one row per completion token)."""
@@ -439,6 +448,21 @@ class RolloutGroup:
     prompt_seq: int = 0
     epoch: int = 0
     rollouts: list[Rollout] = field(default_factory=list)
+
+    @property
+    def tool_call_counts(self) -> list[int]:
+        """Tool calls per rollout."""
+        return [r.tool_call_count for r in self.rollouts]
+
+    @property
+    def tool_failure_counts(self) -> list[int]:
+        """Failed tool calls per rollout."""
+        return [r.tool_failure_count for r in self.rollouts]
+
+    @property
+    def env_rewards(self) -> list[tuple[str, float | None] | None]:
+        """Per rollout, (environment class name, reward) when its environment defines ``get_reward``, else None."""
+        return [r.env_reward for r in self.rollouts]
 
 
 @dataclass

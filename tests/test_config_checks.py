@@ -175,7 +175,13 @@ def test_grpo_keeps_its_group_rules_and_refuses_the_distillation_loss():
     assert _errors("sampling.num_generations=1") == [
         "sampling.num_generations (1) must be >= 2: GRPO normalizes rewards within a group."
     ]
-    assert _errors("rewards=none") == ["rewards.funcs is empty: give at least one reward function."]
+    assert _errors("rewards=none") == [
+        "rewards.funcs is empty: give at least one reward function (or an environment with get_reward, "
+        "rollout.environment_factory)."
+    ]
+    assert compose_config(
+        ["+recipe=tiny", "rewards=none", "rollout.environment_factory=increment"]
+    )  # get_reward
     assert "loss.name=jsd is the distillation loss" in _errors("loss=jsd")[0]
     assert compose_config(["+recipe=distill_tiny", "sampling.num_generations=1"]).rewards.funcs == []
 
@@ -204,3 +210,18 @@ def test_check_plans_a_distillation_run_without_a_server_or_torch():
         "config OK",
     ):
         assert part in text, (part, text)
+
+
+def test_agent_settings_are_checked_with_their_keys():
+    assert _errors("rollout.max_tool_calling_iterations=-1") == [
+        "rollout.max_tool_calling_iterations must be >= 0 (or null: until a reply calls no tool)."
+    ]
+    assert _errors("rollout.tool_timeout_s=0") == ["rollout.tool_timeout_s must be > 0 seconds."]
+    assert "rollout.tool_call_format" in _errors("rollout.tool_call_format=json")[0]
+    env_errors = _errors("data=environment")
+    assert env_errors[0].startswith("data.source=environment has no prompts: set rollout.environment_factory")
+    assert (
+        "set trainer.max_steps"
+        in _errors("data=environment", "rollout.environment_factory=increment", "trainer.max_steps=-1")[0]
+    )
+    assert "not supported by asyncgrpo distill" in _distill_errors("rollout.tools=[calculator]")[0]

@@ -84,6 +84,15 @@ def rollout_errors(ro: RolloutConfig) -> Iterator[str]:
         yield "rollout.rollout_worker_timeout must be > 0 seconds."
     if ro.score_queue_maxsize < 1:
         yield "rollout.score_queue_maxsize must be >= 1."
+    if ro.max_tool_calling_iterations is not None and ro.max_tool_calling_iterations < 0:
+        yield "rollout.max_tool_calling_iterations must be >= 0 (or null: until a reply calls no tool)."
+    if ro.tool_timeout_s <= 0:
+        yield "rollout.tool_timeout_s must be > 0 seconds."
+    env = ro.environment_factory
+    if env is not None and not isinstance(env, str) and not hasattr(env, "keys"):
+        yield (
+            f"rollout.environment_factory must be a name, module:Class, or {{name: factory}}; got {env!r}."
+        )
 
 
 def trainer_errors(tr: TrainerConfig) -> Iterator[str]:
@@ -228,8 +237,40 @@ def grpo_needs_groups(cfg: RootConfig) -> Iterator[str]:
             f"sampling.num_generations ({cfg.sampling.num_generations}) must be >= 2: GRPO normalizes rewards "
             "within a group."
         )
-    if not cfg.rewards.funcs:
-        yield "rewards.funcs is empty: give at least one reward function."
+    if not cfg.rewards.funcs and not cfg.rollout.environment_factory:
+        yield (
+            "rewards.funcs is empty: give at least one reward function (or an environment with get_reward, "
+            "rollout.environment_factory)."
+        )
+
+
+def environment_rows_need_an_environment(cfg: RootConfig) -> Iterator[str]:
+    """``data.source=environment`` rows carry no task: an environment's ``reset`` must supply it, and the
+    stream cycles over them, so the run's length must be set."""
+    sources = [
+        cfg.data.source,
+        *(p.get("source", cfg.data.source) for p in cfg.data.mix if hasattr(p, "get")),
+    ]
+    if "environment" not in sources:
+        return
+    if not cfg.rollout.environment_factory:
+        yield (
+            "data.source=environment has no prompts: set rollout.environment_factory to an environment whose "
+            "reset() returns the task (e.g. rollout.environment_factory=increment)."
+        )
+    if cfg.trainer.max_steps <= 0:
+        yield (
+            "data.source=environment: the environment owns the data, so epochs have no meaning; set "
+            "trainer.max_steps."
+        )
+
+
+def tools_need_grpo(cfg: RootConfig) -> Iterator[str]:
+    if cfg.algorithm == "distill" and cfg.rollout.has_agents:
+        yield (
+            "rollout.tools / rollout.environment_factory are not supported by asyncgrpo distill (its rollouts "
+            "are single completions scored by a teacher); train agents with asyncgrpo train."
+        )
 
 
 def distill_needs_teachers(cfg: RootConfig) -> Iterator[str]:
@@ -286,6 +327,8 @@ CROSS_GROUP_RULES: tuple[Callable[[RootConfig], Iterable[str]], ...] = (
     token_budget_fits_completion,
     lora_policy.config_errors,  # model.lora with server.weight_sync and the server's adapter limits
     grpo_needs_groups,
+    environment_rows_need_an_environment,
+    tools_need_grpo,
     distill_needs_teachers,
     jsd_runs_under_distill,
     embedded_teachers_serve_top_k,

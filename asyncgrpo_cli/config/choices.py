@@ -37,6 +37,7 @@ MixedPrecision = Annotated[
 ]
 ConsoleMode = Annotated[str, Literal["live", "plain", "auto"]]
 SinkName = Annotated[str, Literal["console", "jsonl", "trackio"]]
+ToolCallFormat = Annotated[str, Literal["hermes"]]
 Algorithm = Annotated[
     str, Literal["grpo", "distill"], "grpo runs under `asyncgrpo train`, distill under `asyncgrpo distill`"
 ]

@@ -22,6 +22,7 @@ from asyncgrpo_cli.config.choices import (
     MixedPrecision,
     SamplingMask,
     SinkName,
+    ToolCallFormat,
     TrainDevice,
     choice_of,
 )
@@ -228,6 +229,39 @@ class RolloutConfig:
     )
     score_queue_maxsize: int = F(16, "Finished groups waiting for scoring before generation blocks.")
     start_timeout: float = F(300.0, "Seconds to wait for the rollout process to start.")
+    tools: list[str] = F(
+        help="Tools the model may call: registered names (calculator) or module:function import paths of plain "
+        "module-level functions, sync or async, with type hints and a Google-style docstring (the tool schema). "
+        "Sync tools run on a pool of max_concurrent_rollouts threads.",
+        factory=list,
+    )
+    environment_factory: Any = F(
+        None,
+        "An environment per rollout: a registered name (increment) or module:Class whose reset(**row_columns) "
+        "-> str | None starts a rollout, optional get_reward() is a reward source (rewards/<ClassName>/mean), "
+        "and every other public method is a tool; or {name: factory, ...} routed by the dataset's "
+        "'environment' column (each row sees only its environment's tools).",
+    )
+    max_tool_calling_iterations: int | None = F(
+        None, "Tool-calling rounds per rollout; None: until a reply calls no tool."
+    )
+    tool_call_format: ToolCallFormat = F(
+        "hermes", "How tool calls are written: hermes (<tool_call>{json}</tool_call>)."
+    )
+    tool_timeout_s: float = F(
+        300.0,
+        "Seconds a tool call may run; a slower call fails (its result says so) and the rollout goes on.",
+    )
+    require_prefix_preserving_template: bool = F(
+        False,
+        "Fail at startup when the chat template re-renders earlier turns differently (forks cost forward "
+        "tokens); false warns. Known families (ChatML, Qwen3) get a shipped training template instead.",
+    )
+
+    @property
+    def has_agents(self) -> bool:
+        """Whether rollouts may call tools (tools or environments configured)."""
+        return bool(self.tools) or bool(self.environment_factory)
 
 
 @dataclass

@@ -107,6 +107,19 @@ def load_tiny_task(cfg: DataConfig):
     return datasets.Dataset.from_list(rows)
 
 
+ENVIRONMENT_ROWS = 1024
+
+
+def load_environment_rows(cfg: DataConfig):
+    """``data.source=environment``: rows without a prompt (``num_examples`` of them, default 1024), for
+    environments whose ``reset`` returns the task. The stream cycles over them, so ``trainer.max_steps`` sets the
+    run's length; ``data.columns`` may add constant columns (``environment`` to route)."""
+    import datasets
+
+    n = cfg.num_examples or ENVIRONMENT_ROWS
+    return datasets.Dataset.from_dict({"prompt": [[] for _ in range(n)], "episode": list(range(n))})
+
+
 def load_dataset_for(cfg: DataConfig):
     loader = registry.resolve("dataset", cfg.source)
     return loader(cfg)
@@ -129,13 +142,17 @@ def _normalize_prompt(prompt: Any, system_prompt: str | None, row: int, column: 
     return messages
 
 
-def prepare_dataset(ds, cfg: DataConfig):
+def prepare_dataset(ds, cfg: DataConfig, prompt_optional: bool = False):
     """Check the prompt column and return a dataset whose ``prompt`` column is conversational.
 
     A string prompt is wrapped as one user message (documented in the README). Other columns are kept: they
-    reach reward functions as keyword arguments.
+    reach reward functions as keyword arguments. ``prompt_optional`` (environments, whose ``reset`` returns the
+    task): a dataset without the prompt column gets empty prompts.
     """
     column = cfg.prompt_column
+    if column not in ds.column_names and prompt_optional and len(ds):
+        ds = ds.add_column("prompt", [[] for _ in range(len(ds))])
+        column = "prompt"
     if column not in ds.column_names:
         raise UserError(
             f"data.prompt_column {column!r} is not a column of the dataset (columns: "
@@ -197,11 +214,12 @@ def _part(cfg: DataConfig, i: int, entry: Any) -> DataConfig:
     return dataclasses.replace(cfg, mix=[], **changes)
 
 
-def load_prompts(cfg: DataConfig):
+def load_prompts(cfg: DataConfig, prompt_optional: bool = False):
     """Load the configured dataset (and every ``data.mix`` part after it), prepare its prompts, add the
-    ``data.columns``. With parts, only the columns every part has are kept."""
+    ``data.columns``. With parts, only the columns every part has are kept. ``prompt_optional``: see
+    ``prepare_dataset``."""
     parts = [cfg, *(_part(cfg, i, e) for i, e in enumerate(cfg.mix))]
-    loaded = [_with_columns(prepare_dataset(load_dataset_for(p), p), p) for p in parts]
+    loaded = [_with_columns(prepare_dataset(load_dataset_for(p), p, prompt_optional), p) for p in parts]
     if len(loaded) == 1:
         return loaded[0]
     import datasets

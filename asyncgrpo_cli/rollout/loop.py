@@ -9,7 +9,9 @@ The loop generates; it neither decides when a group may start nor what a group i
   stamped samples or a drop.
 
 Per prompt: ``filter_prompt`` decides whether to generate; ``generate_one`` runs ``num_generations`` times
-(each calling ``generate_one_turn`` per sampling request); once the whole group has finished it waits on the
+(the multi-turn tool loop of ``rollout/agent/episode.py``, calling ``generate_one_turn`` per sampling request; one
+turn when the rollout has no tools; inside an environment instance when ``rollout.environment_factory`` is set,
+``rollout/agent/environments.py``); once the whole group has finished it waits on the
 score queue, the scorer scores it (calling ``compute_advantages``), and its samples go on the rollout queue, or a
 ``PromptResolved`` marker when it yields none. ``setup`` / ``close`` create and release resources on the loop's
 event loop (``close`` also runs on failure).
@@ -37,6 +39,10 @@ from asyncgrpo_cli.config.schema import RolloutConfig, SamplingConfig
 from asyncgrpo_cli.data.sources import PromptOrder
 from asyncgrpo_cli.metrics.reducer import MetricWindow
 from asyncgrpo_cli.rollout.admission import Admission
+from asyncgrpo_cli.rollout.agent.environments import EnvironmentPool, load_environments, run_in_environment
+from asyncgrpo_cli.rollout.agent.episode import EpisodeLimits, ToolLoop
+from asyncgrpo_cli.rollout.agent.tool_calls import tool_call_parser
+from asyncgrpo_cli.rollout.agent.tools import Tool, load_tools
 from asyncgrpo_cli.rollout.client import CompletionClient, SamplingParams
 from asyncgrpo_cli.rollout.concurrency import ConcurrencyController, MetricsPoller
 from asyncgrpo_cli.rollout.generation_metrics import record_completions, record_rollout, record_sampling_mask
@@ -143,6 +149,34 @@ class AsyncRolloutLoop:
         self.client: CompletionClient | None = None
         self._warned_no_mask = False
         self.score_queue: asyncio.Queue[RolloutGroup] | None = None
+        self._init_agents(settings, tokenizer)
+
+    def _init_agents(self, settings: RolloutSettings, tokenizer: Any) -> None:
+        r = settings.rollout
+        if settings.prepared.get(
+            "chat_template"
+        ):  # the training template ``prepare`` chose for the tool loop
+            tokenizer.chat_template = settings.prepared["chat_template"]
+        self.tools: list[Tool] = load_tools(list(r.tools))
+        """``rollout.tools``: offered to every rollout (an environment adds its own)."""
+        self.environments = load_environments(r.environment_factory)
+        self._tool_executor = (
+            ThreadPoolExecutor(max_workers=max(1, r.max_concurrent_rollouts), thread_name_prefix="tool")
+            if r.has_agents
+            else None
+        )  # sync tools, reset and get_reward: a slow one delays only its own rollout
+        self.env_pool = EnvironmentPool(self.environments, self._tool_executor)
+        limits = EpisodeLimits(
+            max_model_len=settings.max_model_len,
+            max_completion_length=settings.sampling.max_completion_length,
+            sampling_mask=settings.sampling_mask,
+            max_tool_calling_iterations=r.max_tool_calling_iterations,
+            tool_timeout_s=r.tool_timeout_s,
+            record_tool_metrics=r.has_agents,
+        )
+        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        parser = tool_call_parser(r.tool_call_format)
+        self.tool_loop = ToolLoop(limits, parser, decode, self.metrics, self._tool_executor)
 
     # ------------------------------------------------------------------ hooks
     @classmethod
@@ -153,8 +187,13 @@ class AsyncRolloutLoop:
         server started: start and check what the loop needs besides that server (the distillation loop starts
         and probes its teachers), registering cleanups on ``stack`` (an ``ExitStack``). The returned picklable
         dict reaches the loop as ``self.settings.prepared``. ``cfg`` is the ``RootConfig``; ``max_model_len``
-        the generation server's."""
-        return {}
+        the generation server's. The default loop checks its tools and environments here (importable, picklable,
+        the dataset's routing column) and picks the chat template of the tool loop (``chat_template``)."""
+        if not cfg.rollout.has_agents:
+            return {}
+        from asyncgrpo_cli.rollout.agent.startup import check_agents
+
+        return {"chat_template": check_agents(cfg, dataset, tokenizer_path)}
 
     @classmethod
     def probe(cls, cfg: Any) -> list[str]:
@@ -173,23 +212,19 @@ class AsyncRolloutLoop:
         return True
 
     async def generate_one(
-        self, prompt: list[dict[str, str]], tools: list[Any], group_id: int = 0
+        self, prompt: list[dict[str, str]], tools: list[Tool], group_id: int = 0
     ) -> Rollout:
-        """One complete rollout. Overrides must record every sampling request in ``Rollout.turns``."""
-        prompt_ids = self.render(prompt)
-        turn = await self.generate_one_turn(prompt_ids)
-        text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
-        return Rollout(
-            completion=[{"role": "assistant", "content": text}],
-            completion_ids=list(turn.output_ids),
-            turns=[turn],
-        )
+        """One complete rollout: the multi-turn tool loop over ``tools`` (the trainer's plus the rollout's
+        environment's; one turn when there are none). Overrides must record every sampling request in
+        ``Rollout.turns``."""
+        return await self.tool_loop.run(prompt, tools, self.render, self.generate_one_turn)
 
-    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
-        """One sampling request with the configured sampling settings."""
+    async def generate_one_turn(self, prompt_ids: list[int], max_tokens: int | None = None) -> TurnRecord:
+        """One sampling request with the configured sampling settings; ``max_tokens`` (a later turn near
+        ``max_model_len``) lowers ``sampling.max_completion_length``."""
         s = self.settings.sampling
         params = SamplingParams(
-            max_tokens=s.max_completion_length,
+            max_tokens=s.max_completion_length if max_tokens is None else max_tokens,
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
@@ -232,9 +267,12 @@ class AsyncRolloutLoop:
         except LookupError:
             raise RuntimeError("current_row is only set inside a group's rollouts (generate_one)") from None
 
-    def render(self, messages: list[dict[str, str]]) -> list[int]:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of the conversation through the chat template, with the generation prompt (and the tool
+        schemas, when the rollout has tools)."""
+        extra = {"tools": tools} if tools else {}
         out = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, **self.settings.chat_template_kwargs
+            messages, add_generation_prompt=True, tokenize=True, **extra, **self.settings.chat_template_kwargs
         )
         ids = out["input_ids"] if hasattr(out, "keys") else out
         return [int(t) for t in ids]
@@ -282,6 +320,8 @@ class AsyncRolloutLoop:
                 await watch.close()
                 await self.client.close()
                 self._executor.shutdown(wait=False, cancel_futures=True)
+                if self._tool_executor is not None:
+                    self._tool_executor.shutdown(wait=False, cancel_futures=True)
 
     def _stopping(self) -> bool:
         return self.shared.stop_event.is_set()
@@ -368,7 +408,7 @@ class AsyncRolloutLoop:
         prompt = row["prompt"]
         _CURRENT_ROW.set(row)  # this task's context: the rollout tasks gather creates copy it
         try:
-            rollouts = await asyncio.gather(*(self._timed_rollout(prompt, group_id) for _ in range(G)))
+            rollouts = await asyncio.gather(*(self._timed_rollout(prompt, group_id, row) for _ in range(G)))
         finally:
             self.admission.generated()
         seqs = []
@@ -378,7 +418,7 @@ class AsyncRolloutLoop:
             record_rollout(self.metrics, r, len(samples), stats.drift_tokens)
         extra = {k: [v] * G for k, v in row.items() if k != "prompt"}
         group = RolloutGroup(
-            prompts=[prompt] * G,
+            prompts=[r.prompt or prompt for r in rollouts],
             reward_kwargs=extra,
             completions=[r.completion for r in rollouts],
             completions_ids=[r.completion_ids for r in rollouts],
@@ -396,9 +436,22 @@ class AsyncRolloutLoop:
         await self.score_queue.put(group)
         self.metrics.add("rollout/score_block_s", time.monotonic() - t0)
 
-    async def _timed_rollout(self, prompt: list[dict[str, str]], group_id: int) -> Rollout:
+    async def _timed_rollout(
+        self, prompt: list[dict[str, str]], group_id: int, row: dict[str, Any]
+    ) -> Rollout:
         t0 = time.monotonic()
-        rollout = await self.generate_one(prompt, [], group_id)
+        if self.environments:
+            rollout = await run_in_environment(
+                self.env_pool,
+                self.environments.kind_for(row),
+                row,
+                prompt,
+                self.tools,
+                lambda messages, tools: self.generate_one(messages, tools, group_id),
+                self.metrics,
+            )
+        else:
+            rollout = await self.generate_one(prompt, self.tools, group_id)
         self.metrics.add("rollout/duration_s", time.monotonic() - t0)
         self.concurrency.on_rollout_finished()
         return rollout

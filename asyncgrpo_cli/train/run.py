@@ -178,7 +178,7 @@ class _MainSide:
 def _start_main_side(cfg: RootConfig, run_dir: Path, model_path: str, stack: ExitStack) -> _MainSide:
     from asyncgrpo_cli.data.sources import load_prompts
 
-    dataset = load_prompts(cfg.data)
+    dataset = load_prompts(cfg.data, prompt_optional=bool(cfg.rollout.environment_factory))
     backend_cls = registry.resolve("server", cfg.server.backend)
     server = backend_cls(cfg.server, model_path, cfg.model.served_model_name, run_dir)
     stack.callback(server.stop)

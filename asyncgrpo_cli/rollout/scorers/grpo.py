@@ -2,8 +2,9 @@
 
 Rules (reference section e):
 
-1. a completion's reward is the sum, with weight 1, of every source that scored it: each reward function and
-   ``Rollout.reward``; a source returning ``None`` is left out of that sum;
+1. a completion's reward is the sum, with weight 1, of every source that scored it: each reward function, the
+   rollout's environment's ``get_reward()`` (one source per environment class) and ``Rollout.reward``; a source
+   returning ``None`` is left out of that sum;
 2. a completion no source scored is *unscored* (NaN): it is excluded from the group mean and std and gets
    advantage 0;
 3. advantage = (r - mean) / std over the scored completions (population std, no epsilon: a kept group's std is
@@ -14,7 +15,8 @@ Rules (reference section e):
    instead of yielding advantages of +-1. The decision looks at rewards, not at the advantages
    ``compute_advantages`` returns.
 
-Metrics per group: ``reward``, ``rewards/{name}/mean``, ``reward_dropped``, ``frac_reward_zero_std``,
+Metrics per group: ``reward``, ``rewards/{name}/mean`` (a reward function's name, or an environment's class
+name), ``reward_dropped``, ``frac_reward_zero_std``,
 ``rollout/groups_scored_count``, ``rollout/groups_dropped_count``, ``rollout/score_s``.
 """
 
@@ -42,6 +44,17 @@ def sum_sources(sources: np.ndarray) -> np.ndarray:
     total = np.nansum(sources, axis=0)
     total[~scored_any] = np.nan
     return total
+
+
+def environment_sources(group: RolloutGroup) -> tuple[list[str], np.ndarray]:
+    """One reward source per environment class in the group: ``(class names, [num_classes, G])``, NaN where a
+    rollout ran in another environment, in none, or its ``get_reward`` returned None."""
+    names = sorted({r[0] for r in group.env_rewards if r is not None})
+    out = np.full((len(names), len(group.completions)), np.nan)
+    for j, entry in enumerate(group.env_rewards):
+        if entry is not None and entry[1] is not None:
+            out[names.index(entry[0]), j] = float(entry[1])
+    return names, out
 
 
 def _scored(rewards: np.ndarray) -> np.ndarray:
@@ -98,6 +111,8 @@ class GroupScorer:
         t0 = time.monotonic()
         G = len(group.completions)
         per_func = await self.reward_sources(group)
+        env_names, env_src = environment_sources(group)
+        per_func = np.concatenate([per_func, env_src], axis=0)
         rollout_src = np.array([np.nan if r is None else float(r) for r in group.rollout_rewards])[None, :]
         group.rewards = sum_sources(np.concatenate([per_func, rollout_src], axis=0))
         hook = compute_advantages or self.advantages
@@ -106,10 +121,10 @@ class GroupScorer:
             raise RuntimeError(f"compute_advantages returned shape {advantages.shape}; expected ({G},)")
         dropped = is_zero_signal(group.rewards)
         self.metrics.add("rollout/score_s", time.monotonic() - t0)
-        self._record(group, per_func, dropped)
+        self._record(group, per_func, [rf.name for rf in self.reward_funcs] + env_names, dropped)
         if dropped:
             return ScoredGroup([], "zero_std")
-        samples = self._stamp(group, advantages, per_func)
+        samples = self._stamp(group, advantages, per_func, [rf.name for rf in self.reward_funcs] + env_names)
         return ScoredGroup(samples, None if samples else "no_samples")
 
     async def reward_sources(self, group: RolloutGroup) -> np.ndarray:
@@ -124,10 +139,10 @@ class GroupScorer:
         return await call_reward_funcs(self.reward_funcs, kwargs, n, group.row_index, self.executor)
 
     def _stamp(
-        self, group: RolloutGroup, advantages: np.ndarray, per_func: np.ndarray
+        self, group: RolloutGroup, advantages: np.ndarray, per_func: np.ndarray, names: list[str]
     ) -> list[TrainingSequence]:
         std = group_std(group.rewards)
-        func_std = {rf.name: group_std(per_func[i]) for i, rf in enumerate(self.reward_funcs)}
+        func_std = {name: group_std(per_func[i]) for i, name in enumerate(names)}
         samples = []
         for i, seqs in enumerate(group.completions_sequences):
             for s in seqs:
@@ -143,12 +158,12 @@ class GroupScorer:
             s.group_num_samples = len(samples)
         return samples
 
-    def _record(self, group: RolloutGroup, per_func: np.ndarray, dropped: bool) -> None:
+    def _record(self, group: RolloutGroup, per_func: np.ndarray, names: list[str], dropped: bool) -> None:
         m = self.metrics
         scored = _scored(group.rewards)
         m.extend("reward", scored)
-        for i, rf in enumerate(self.reward_funcs):
-            m.extend(f"rewards/{rf.name}/mean", _scored(per_func[i]))
+        for i, name in enumerate(names):
+            m.extend(f"rewards/{name}/mean", _scored(per_func[i]))
         m.add("frac_reward_zero_std", float(dropped))
         m.add("rollout/groups_scored_count", 1)
         m.add("rollout/groups_dropped_count", float(dropped))

@@ -115,15 +115,13 @@ def load_arithmetic(cfg: DataConfig) -> datasets.Dataset:
     return datasets.Dataset.from_list(rows)
 
 
-# -- the tools quickstart: problems a 135M model cannot compute in its head, with a calculator ------------------
-TOOLS_SYSTEM_PROMPT = "You are a helpful assistant. Use the calculator for every calculation, then give the answer in \\boxed{}."
-TOOL_DEMOS = (
-    ("What is 12 * 7?", "12 * 7", 84),
-    ("Sam has 96 pens and gets 45 more. How many pens?", "96 + 45", 141),
-)
+# -- the tools quickstart: calculations a 135M model cannot do in its head, with a calculator ------------------
+TOOL_DEMOS = (("What is 12 * 7?", "12 * 7", 84), ("What is 96 + 45?", "96 + 45", 141))
 """Worked examples put before each question: a tool call, its result, the boxed answer. Measured on
-SmolLM2-135M-Instruct (4 questions x 8 samples at temperature 1.0): without an example 0 of 64 replies called a
-tool, with one 6 of 32, with three 18 of 32; two keep the prompt short."""
+SmolLM2-135M-Instruct with the ChatML training template's tools block (4 questions x 8 samples, temperature 1.0):
+without an example ~0 replies call a tool; with these two, 9 of 32 wrote a <tool_call> and 8 of 32 the right
+argument name. Word problems ("Leo has 16 boxes with 44 cookies...") instead of bare calculations: 0-2 of 32, so
+GRPO would have nothing to reinforce; an extra system message lowered the rate too."""
 
 
 def tool_demo(question: str, expression: str, value: int) -> list[dict[str, str]]:
@@ -138,32 +136,30 @@ def tool_demo(question: str, expression: str, value: int) -> list[dict[str, str]
     ]
 
 
-def _product(r: random.Random, name: str, he: str, item: str) -> Problem:
-    a, b = r.randint(11, 99), r.randint(11, 99)
-    return f"{name} has {a} boxes with {b} {item} in each. How many {item} are there?", a * b
-
-
-def _sum(r: random.Random, name: str, he: str, item: str) -> Problem:
+def calculation(r: random.Random, i: int) -> Problem:
+    """Alternately a product of two two-digit numbers and a sum of two three-digit ones."""
+    if i % 2 == 0:
+        a, b = r.randint(11, 99), r.randint(11, 99)
+        return f"What is {a} * {b}?", a * b
     a, b = r.randint(100, 999), r.randint(100, 999)
-    return f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?", a + b
+    return f"What is {a} + {b}?", a + b
 
 
 def load_arithmetic_tools(cfg: DataConfig) -> datasets.Dataset:
-    """Multiplications of two-digit numbers and sums of three-digit ones (``num_examples``, default 2000), each
-    prompt led by a system message and the worked examples of ``TOOL_DEMOS``; columns ``prompt``,
-    ``solution``. For ``rollout.tools=[calculator]``: the ``accuracy`` reward reads the final ``\\boxed{}``."""
+    """``num_examples`` (default 2000) calculations seeded by ``cfg.seed``, each prompt led by the worked examples
+    of ``TOOL_DEMOS`` (and ``data.system_prompt`` when set); columns ``prompt``, ``solution``. For
+    ``rollout.tools=[calculator]``: the ``accuracy`` reward reads the final ``\\boxed{}``."""
     import datasets
 
     n = DEFAULT_NUM_EXAMPLES if cfg.num_examples is None else cfg.num_examples
     if n <= 0:
         raise UserError(f"data.num_examples ({n}) must be positive for data.source=arithmetic_tools")
     r = random.Random(cfg.seed)
+    system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     demos = [m for demo in TOOL_DEMOS for m in tool_demo(*demo)]
     rows = []
     for i in range(n):
-        name, he = r.choice(_PEOPLE)
-        question, answer = (_product, _sum)[i % 2](r, name, he, r.choice(_ITEMS))
-        system = [{"role": "system", "content": cfg.system_prompt or TOOLS_SYSTEM_PROMPT}]
+        question, answer = calculation(r, i)
         rows.append(
             {"prompt": [*system, *demos, {"role": "user", "content": question}], "solution": str(answer)}
         )

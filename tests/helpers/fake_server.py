@@ -1,13 +1,24 @@
 """A small stdlib fake of the vLLM HTTP API, for fault injection (no mocked HTTP layer: real sockets, real HTTP).
 
 Serves ``/health``, ``/v1/models``, ``/weight_info``, ``POST /update_weight_version``, scripted ``/metrics``
-pages and ``/v1/completions`` with deterministic token ids and log-probs. Faults: fail the next N requests of a
-route with a status, drop the connection without answering, or ``stop()`` and ``start()`` again on the same port
-(a restart: the weight version goes back to ``"default"``, as on a real server)::
+pages and ``/v1/completions`` with deterministic token ids and log-probs, plus the development routes a trainer's
+disk weight sync drives (``GET /is_paused``, ``POST /pause``, ``/resume``, ``/collective_rpc``,
+``/reset_prefix_cache``: recorded, nothing is loaded), so a real ``train`` run can point at it
+(``server=vllm server.base_url=...``). Faults: fail the next N requests of a route with a status, drop the
+connection without answering, or ``stop()`` and ``start()`` again on the same port (a restart: the weight version
+goes back to ``"default"``, as on a real server)::
 
     with FakeVllmServer(metrics=[page(usage=0.3)]) as srv:
         srv.fail("/v1/completions", times=2, status=503)
         ...
+
+Scripted completions: ``reply(prompt_ids, max_tokens) -> list[int] | None`` picks a request's output tokens
+(None: the default deterministic ones). Scripted ids longer than ``max_tokens`` are cut there and finish with
+``"length"``; others finish with ``"stop"`` when they end with ``eos_token_id``, else ``"length"`` (the default
+tokens always finish with ``"length"``). A ``reply`` that raises answers 400 with the error: the client stops the run with it instead of retrying (as it
+would a 5xx) into a later call of the script::
+
+    FakeVllmServer(reply=lambda ids, n: tok.encode("42") + [eos], eos_token_id=eos)
 
 Runs in a daemon thread of the test process; every blocking call has a timeout.
 """
@@ -18,7 +29,7 @@ import json
 import socket
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,6 +37,8 @@ from urllib.parse import urlsplit
 DROP = -1
 """A status for ``fail``: close the connection without sending a response."""
 VOCAB = 1000
+Reply = Callable[[list[int], int], list[int] | None]
+"""A completion script: ``(prompt_ids, max_tokens) -> output ids`` (None: the default deterministic tokens)."""
 
 
 def completion_tokens(prompt: Sequence[int], max_tokens: int) -> list[int]:
@@ -146,6 +159,8 @@ class FakeVllmServer:
         max_model_len: int = 256,
         port: int = 0,
         completion_delay_s: float = 0.0,
+        reply: Reply | None = None,
+        eos_token_id: int | None = None,
     ):
         self.model = model
         self.max_model_len = max_model_len
@@ -157,6 +172,12 @@ class FakeVllmServer:
         self.requests: Counter[str] = Counter()
         """Requests answered (or dropped) per path since the last (re)start."""
         self.completion_prompts: list[list[int]] = []
+        self.reply = reply
+        self.eos_token_id = eos_token_id
+        """With ``reply``: scripted ids ending with it finish with ``"stop"``."""
+        self.paused = False
+        self.rpc_calls: list[dict[str, Any]] = []
+        """``POST /collective_rpc`` bodies (``{"method", "kwargs", ...}``), in order (kept across restarts)."""
         self.starts = 0
         self._faults: dict[str, list[int]] = {}
         self._metrics_index = 0
@@ -183,6 +204,7 @@ class FakeVllmServer:
         self.port = httpd.server_address[1]
         with self._lock:
             self.weight_version = "default"
+            self.paused = False
             self.requests = Counter()
             self._metrics_index = 0
             self.starts += 1
@@ -254,6 +276,17 @@ class FakeVllmServer:
             return (item, {"error": {"message": "scripted"}}) if isinstance(item, int) else (200, item)
         if (method, path) == ("POST", "/v1/completions"):
             return self._complete(json.loads(body or b"{}"))
+        if (method, path) == ("GET", "/is_paused"):
+            return 200, {"is_paused": self.paused}
+        if (method, path) in (("POST", "/pause"), ("POST", "/resume")):
+            self.paused = path == "/pause"
+            return 200, {}
+        if (method, path) == ("POST", "/collective_rpc"):
+            with self._lock:
+                self.rpc_calls.append(json.loads(body or b"{}"))
+            return 200, {"results": [None]}
+        if (method, path) == ("POST", "/reset_prefix_cache"):
+            return 200, {}
         return 404, {"error": {"message": f"Not Found: {method} {path}"}}
 
     def _complete(self, req: dict[str, Any]) -> tuple[int, Any]:
@@ -262,7 +295,11 @@ class FakeVllmServer:
         prompt = [int(t) for t in req.get("prompt", [])]
         with self._lock:
             self.completion_prompts.append(prompt)
-        out = completion_tokens(prompt, int(req.get("max_tokens", 16)))
+        max_tokens = int(req.get("max_tokens", 16))
+        try:
+            out, finish = self._output(prompt, max_tokens)
+        except Exception as e:  # a broken script: stop the client with the error (a 5xx would be retried)
+            return 400, {"error": {"message": f"the fake's reply script raised {type(e).__name__}: {e}"}}
         n_top = int(req.get("logprobs") or 0)
         top = [
             {
@@ -275,7 +312,7 @@ class FakeVllmServer:
             "index": 0,
             "text": "",
             "token_ids": out,
-            "finish_reason": "length",
+            "finish_reason": finish,
             "logprobs": {
                 "tokens": [f"token_id:{t}" for t in out],
                 "token_logprobs": [token_logprob(t) for t in out],
@@ -283,3 +320,14 @@ class FakeVllmServer:
             },
         }
         return 200, {"id": "cmpl-fake", "object": "text_completion", "model": self.model, "choices": [choice]}
+
+    def _output(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+        """The output ids and finish reason of one request (scripted, or the default tokens)."""
+        scripted = self.reply(prompt, max_tokens) if self.reply is not None else None
+        if scripted is None:
+            return completion_tokens(prompt, max_tokens), "length"
+        ids = [int(t) for t in scripted]
+        stops = bool(ids) and self.eos_token_id is not None and ids[-1] == self.eos_token_id
+        if len(ids) > max_tokens:
+            return ids[:max_tokens], "length"
+        return ids, "stop" if stops else "length"

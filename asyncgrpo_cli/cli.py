@@ -302,6 +302,14 @@ def _check(args: list[str]) -> None:
     for what, plan in plan_lines(cfg):
         table.add_row(what, plan)
     console.print(table)
+    if (
+        cfg.rollout.has_agents
+    ):  # tools and environments resolve, pickle and have schemas (imports transformers)
+        from asyncgrpo_cli.rollout.agent.environments import load_environments
+        from asyncgrpo_cli.rollout.agent.tools import check_unique, load_tools
+
+        check_unique(load_tools(list(cfg.rollout.tools)))
+        load_environments(cfg.rollout.environment_factory)
     if probe:
         _probe(cfg)
     console.print("[green]config OK[/green]")

@@ -266,3 +266,11 @@ def test_configs_ship_in_the_wheel(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "deepmath"
+
+
+def test_check_prints_the_agents_and_refuses_an_unpicklable_tool():
+    ok = _run_cli("check", "+recipe=tools_tiny")
+    assert ok.returncode == 0, ok.stderr
+    assert "tools calculator; environment increment" in " ".join(ok.stdout.split())
+    bad = _run_cli("check", "+recipe=tools_tiny", "rollout.tools=[tests.helpers.agent_tools:lambda_tool]")
+    assert bad.returncode != 0 and "rollout.tools[0]" in bad.stderr and "lambda" in bad.stderr

@@ -80,6 +80,7 @@ def plan_lines(cfg: RootConfig) -> list[tuple[str, str]]:
             if cfg.algorithm == "distill"
             else [_grpo_rewards(cfg), _grpo_loss(cfg, eps_high)]
         ),
+        *([_agents_line(cfg)] if ro.has_agents else []),
         (
             "staleness",
             f"max_staleness={ro.max_staleness}: generation held to {max(ro.max_staleness, 1)} step(s) "
@@ -95,7 +96,32 @@ def plan_lines(cfg: RootConfig) -> list[tuple[str, str]]:
 
 
 def _grpo_rewards(cfg: RootConfig) -> tuple[str, str]:
-    return ("rewards", ", ".join(str(f) for f in cfg.rewards.funcs) + " (summed, weight 1)")
+    sources = [str(f) for f in cfg.rewards.funcs]
+    if cfg.rollout.environment_factory:
+        sources.append("the environments' get_reward()")
+    return ("rewards", ", ".join(sources) + " (summed, weight 1)")
+
+
+def _agents_line(cfg: RootConfig) -> tuple[str, str]:
+    ro = cfg.rollout
+    env = ro.environment_factory
+    if hasattr(env, "keys"):
+        envs = (
+            "; environments " + ", ".join(f"{k}={v}" for k, v in env.items()) + " (routed by 'environment')"
+        )
+    else:
+        envs = f"; environment {env} (one instance per rollout, reused)" if env else ""
+    rounds = (
+        "until a reply calls no tool"
+        if ro.max_tool_calling_iterations is None
+        else (f"at most {ro.max_tool_calling_iterations} tool round(s)")
+    )
+    return (
+        "agents",
+        f"tools {', '.join(ro.tools) or 'none'}{envs}; multi-turn, {rounds}, {ro.tool_call_format} tool calls, "
+        f"each call at most {ro.tool_timeout_s:g}s; chat template checked for prefix preservation at start "
+        f"({'fail' if ro.require_prefix_preserving_template else 'warn'})",
+    )
 
 
 def _grpo_loss(cfg: RootConfig, eps_high: float) -> tuple[str, str]:

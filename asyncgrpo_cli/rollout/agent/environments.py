@@ -55,10 +55,16 @@ class EnvironmentKind:
 
     @property
     def class_name(self) -> str:
+        """The factory's name (the class name for a class; an environment's reward is logged under its own
+        class's name, ``type(env).__name__``)."""
         return getattr(self.factory, "__name__", type(self.factory).__name__)
 
     @property
-    def has_reward(self) -> bool:
+    def has_reward(self) -> bool | None:
+        """Whether its environments define ``get_reward``; None when the factory is a function (known only once
+        it has built one)."""
+        if not inspect.isclass(self.factory):
+            return None
         return callable(getattr(self.factory, "get_reward", None))
 
 
@@ -91,7 +97,7 @@ class Environments:
             raise UserError(
                 f"{CONFIG_KEY} maps several environments, so every dataset row needs an {ROUTE_COLUMN!r} column "
                 f"naming one of {', '.join(sorted(self.kinds))} (the dataset has {', '.join(column_names)}); "
-                "e.g. data.columns={environment: NAME} per data.mix part."
+                "e.g. +data.columns.environment=NAME, and one per data.mix part."
             )
         unknown = sorted({str(v) for v in values()} - set(self.kinds))
         if unknown:
@@ -210,7 +216,7 @@ class EnvironmentPool:
             ):
                 continue
             method = getattr(env, name)
-            key = f"{kind.key} ({kind.class_name}.{name})"
+            key = f"{kind.key} ({type(env).__name__}.{name})"
             schema = self._schemas.get((type(env), name))
             if schema is None:
                 tool = tool_from_callable(method, key)
@@ -233,11 +239,12 @@ async def run_in_environment(
     """One rollout in an environment instance: reset, ``generate`` (the tool loop) with the trainer's tools plus
     the instance's, then ``get_reward``; the instance goes back to the pool unless something raised."""
     env = await pool.acquire(kind)
+    name = type(env).__name__
     t0 = time.monotonic()
     try:
         task = await call_hook(env.reset, pool.executor, **reset_kwargs(env.reset, row))
     except Exception as e:
-        raise RuntimeError(f"{kind.class_name}.reset ({kind.key}) raised {type(e).__name__}: {e}") from e
+        raise RuntimeError(f"{name}.reset ({kind.key}) raised {type(e).__name__}: {e}") from e
     metrics.add("env/reset_s", time.monotonic() - t0)
     messages = with_task(prompt, task, kind)
     tools = [*base_tools, *pool.tools(env, kind)]
@@ -250,10 +257,8 @@ async def run_in_environment(
         try:
             value = await call_hook(get_reward, pool.executor)
         except Exception as e:
-            raise RuntimeError(
-                f"{kind.class_name}.get_reward ({kind.key}) raised {type(e).__name__}: {e}"
-            ) from e
+            raise RuntimeError(f"{name}.get_reward ({kind.key}) raised {type(e).__name__}: {e}") from e
         metrics.add("env/reward_s", time.monotonic() - t0)
-        rollout.env_reward = (kind.class_name, None if value is None else float(value))
+        rollout.env_reward = (name, None if value is None else float(value))
     pool.release(kind, env)
     return rollout

@@ -29,7 +29,7 @@ def check_agents(cfg: Any, dataset: Any, tokenizer_path: str) -> str | None:
     check_unique(tools)
     envs = load_environments(ro.environment_factory)
     envs.check_rows(list(dataset.column_names), lambda: dataset[ROUTE_COLUMN])
-    if not cfg.rewards.funcs and not any(k.has_reward for k in envs.kinds.values()):
+    if not cfg.rewards.funcs and all(k.has_reward is False for k in envs.kinds.values()):
         raise UserError(
             "rewards.funcs is empty and no environment of rollout.environment_factory defines get_reward(): "
             "nothing would score the rollouts; add a reward function or a get_reward method."

@@ -3,11 +3,16 @@
 One engine step (under the engine lock):
 
 1. admit waiting sequences while ``max_num_seqs`` and ``kv_cache_tokens`` allow (each sequence reserves
-   prompt + max_tokens, so nothing is ever preempted); their prompts come from the prefix cache, or are prefilled
-   once per distinct prompt (the G requests of a GRPO group, or the ``n`` choices of a request, share one);
+   prompt + max_tokens, so nothing is ever preempted); each distinct prompt (the G requests of a GRPO group, or
+   the ``n`` choices of a request, share one) is an exact prefix-cache hit, or the tail after its longest cached
+   prefix is prefilled (``prefill_tails``), or the whole prompt is; the result is cached;
 2. run one decode forward over the running rows (the token each row sampled last step);
 3. sample one token for every row (running and new) with vLLM's processed-logits pipeline;
-4. retire finished rows and add the new ones in a single ``BatchKV.rebuild``.
+4. cache the KV of rows that stopped (prompt + reply but its last token: a conversation's next turn starts with
+   it), then retire finished rows and add the new ones in a single ``BatchKV.rebuild``.
+
+KV enters the prefix cache only if no ``clear()`` (a weight update, ``reset_prefix_cache``) happened since its
+sequence was admitted (``PrefixCache.epoch``). Prompt-logprob requests are prefilled whole (``scored_prefill``).
 
 ``pause(mode)`` follows vLLM: ``keep`` freezes in-flight rows until ``resume()``, ``wait`` drains what was submitted
 before the call, ``abort`` finishes everything in flight with ``finish_reason="abort"`` and its partial output.
@@ -29,7 +34,15 @@ from pathlib import Path
 
 import torch
 
-from asyncgrpo_cli.embedded.kvcache import BatchKV, PrefixCache, RowKV, forward, prefill
+from asyncgrpo_cli.embedded.kvcache import (
+    BatchKV,
+    PrefixCache,
+    PrefixHit,
+    RowKV,
+    forward,
+    prefill,
+    prefill_tails,
+)
 from asyncgrpo_cli.embedded.lora import LoadedAdapter, lora_batch
 from asyncgrpo_cli.embedded.model import load_weights_dir
 from asyncgrpo_cli.embedded.prompt_logprobs import scored_prefill
@@ -51,6 +64,8 @@ class _Seq:
     generator: torch.Generator | None
     order: int
     seen: torch.Tensor | None = None
+    epoch: int = -1
+    """``PrefixCache.epoch`` when the prompt's KV was made (its KV may be cached while the epoch holds)."""
 
     @property
     def request(self) -> GenerationRequest:
@@ -87,6 +102,8 @@ class EngineStats:
     prefix_cache_hits_total: int
     prefill_tokens_total: int
     """Prompt tokens actually run through the model (prefix-cache hits and same-step duplicates cost none)."""
+    prefix_cache_reused_tokens_total: int = 0
+    """Prompt tokens whose KV came from the prefix cache (exact hits and cached prefixes)."""
 
 
 class GenerationEngine:
@@ -239,6 +256,7 @@ class GenerationEngine:
             prefix_cache_queries_total=self.prefix_cache.queries,
             prefix_cache_hits_total=self.prefix_cache.hits,
             prefill_tokens_total=self.prefill_tokens_total,
+            prefix_cache_reused_tokens_total=self.prefix_cache.reused_tokens,
         )
 
     def step(self) -> None:
@@ -310,6 +328,7 @@ class GenerationEngine:
         rows = self._running + new
         finished = self._record(rows, self._sample(rows, logits))
         n_run = len(self._running)
+        self._cache_replies([i for i in finished if i < n_run], logits)
         keep = [i for i in range(n_run) if i not in finished]
         fresh = [j for j in range(len(new)) if n_run + j not in finished]
         if finished or new:
@@ -333,8 +352,10 @@ class GenerationEngine:
             if seq.needs_scores:
                 cost = 0 if seq.handle in scored else len(seq.prompt)
                 scored.add(seq.handle)
+            elif seq.key in planned:
+                cost = 0
             else:
-                cost = 0 if seq.key in planned or seq.key in self.prefix_cache else len(seq.prompt)
+                cost = len(seq.prompt) - self.prefix_cache.cached_length(seq.prompt, seq.request.adapter)
             if cost and new and cost > prefill_budget:
                 break
             prefill_budget -= cost
@@ -346,12 +367,14 @@ class GenerationEngine:
         return new
 
     def _prompt_logits(self, new: Sequence[_Seq]) -> tuple[list[RowKV], torch.Tensor | None]:
-        """Prompt KV and first logits of the new sequences; each distinct prompt is prefilled once."""
+        """Prompt KV and first logits of the new sequences; each distinct prompt is prefilled once, from its
+        longest cached prefix when there is one."""
         if not new:
             return [], None
         found: dict[tuple, tuple[RowKV, torch.Tensor]] = {}
-        todo: dict[tuple, None] = {}  # distinct (adapter, prompt) keys to prefill, in order
+        todo: dict[tuple, PrefixHit | None] = {}  # distinct (adapter, prompt) keys to prefill, in order
         for seq in new:  # prompt_logprobs requests: a scored prefill of their own, which the cache then holds
+            seq.epoch = self.prefix_cache.epoch
             if seq.needs_scores:
                 with lora_batch(self.model, [seq.request.adapter]):
                     row, lg, scores = scored_prefill(self.model, seq.prompt, seq.request.prompt_logprobs or 0)
@@ -359,23 +382,52 @@ class GenerationEngine:
                 for c in seq.handle.completions:
                     c.prompt_scores = scores
                 found[seq.key] = (row, lg)
-                self.prefix_cache.put(seq.key, row, lg)
+                self.prefix_cache.put(seq.prompt, row, lg, adapter=seq.request.adapter)
         for seq in new:
             if seq.key in found or seq.key in todo:
                 continue
-            hit = self.prefix_cache.get(seq.key)
-            if hit is not None:
-                found[seq.key] = hit
+            hit = self.prefix_cache.longest_prefix(seq.prompt, seq.request.adapter)
+            if hit is not None and hit.length == len(seq.prompt):
+                found[seq.key] = (hit.row, hit.logits)
             else:
-                todo[seq.key] = None
-        for chunk in _chunks_by_tokens(sorted(todo, key=lambda k: len(k[1])), self.max_prefill_tokens):
+                todo[seq.key] = hit
+        whole = sorted((k for k, hit in todo.items() if hit is None), key=lambda k: len(k[1]))
+        for chunk in _chunks(whole, self.max_prefill_tokens, lambda k: len(k[1])):
             with lora_batch(self.model, [adapter for adapter, _ in chunk]):
                 rows, logits = prefill(self.model, [prompt for _, prompt in chunk])
-            self.prefill_tokens_total += sum(len(p) for _, p in chunk)
-            for key, row, lg in zip(chunk, rows, logits):
-                found[key] = (row, lg)
-                self.prefix_cache.put(key, row, lg)
+            self._store(chunk, rows, logits, found, sum(len(p) for _, p in chunk))
+        tails = {k: hit for k, hit in todo.items() if hit is not None}
+        ordered = sorted(tails, key=lambda k: len(k[1]) - tails[k].length)
+        for chunk in _chunks(ordered, self.max_prefill_tokens, lambda k: len(k[1])):
+            with lora_batch(self.model, [adapter for adapter, _ in chunk]):
+                rows, logits = prefill_tails(
+                    self.model, [tails[k].row for k in chunk], [k[1][tails[k].length :] for k in chunk]
+                )
+            self._store(chunk, rows, logits, found, sum(len(k[1]) - tails[k].length for k in chunk))
         return [found[s.key][0] for s in new], torch.stack([found[s.key][1] for s in new])
+
+    def _store(
+        self, keys: Sequence[tuple], rows: Sequence[RowKV], logits: torch.Tensor, found: dict, tokens: int
+    ) -> None:
+        """Record a prefill batch of ``tokens`` model tokens: into ``found`` and the prefix cache."""
+        self.prefill_tokens_total += tokens
+        for (adapter, prompt), row, lg in zip(keys, rows, logits):
+            found[(adapter, prompt)] = (row, lg)
+            self.prefix_cache.put(prompt, row, lg, adapter=adapter)
+
+    def _cache_replies(self, finished: Sequence[int], logits: torch.Tensor) -> None:
+        """Cache the KV of running rows ``finished`` that stopped (a length-cut reply ends a conversation): their
+        prompt + reply but its last sampled token (never run through the model), and the logits it was sampled
+        from, which are that sequence's last-position logits."""
+        cache = self.prefix_cache
+        for i in finished:
+            seq = self._running[i]
+            if cache.capacity <= 0 or seq.out.finish_reason != "stop" or seq.epoch != cache.epoch:
+                continue
+            tokens = seq.prompt + tuple(seq.out.token_ids[:-1])
+            row = self._kv.row(i)
+            assert row.length == len(tokens), (row.length, len(tokens))
+            cache.put(tokens, row, logits[i].clone(), adapter=seq.request.adapter)
 
     def _decode_forward(self) -> torch.Tensor | None:
         if not self._running:
@@ -471,13 +523,13 @@ class GenerationEngine:
         self._reserved = 0
 
 
-def _chunks_by_tokens(keys: Sequence[tuple], budget: int) -> list[list[tuple]]:
-    """Split ``(adapter, prompt)`` keys (sorted by prompt length) into prefill batches whose padded size stays
-    within ``budget`` tokens."""
+def _chunks(keys: Sequence[tuple], budget: int, size: Callable[[tuple], int]) -> list[list[tuple]]:
+    """Split keys (sorted so that similar sizes sit together) into prefill batches whose padded size (count x
+    the largest ``size``) stays within ``budget`` tokens."""
     chunks: list[list[tuple]] = []
-    for p in keys:
-        if chunks and (len(chunks[-1]) + 1) * max(len(p[1]), len(chunks[-1][-1][1])) <= budget:
-            chunks[-1].append(p)
+    for key in keys:
+        if chunks and (len(chunks[-1]) + 1) * max(size(key), *map(size, chunks[-1])) <= budget:
+            chunks[-1].append(key)
         else:
-            chunks.append([p])
+            chunks.append([key])
     return chunks

@@ -1,23 +1,28 @@
-"""The KV cache of the running batch, and every piece of surgery on it.
+"""The KV cache of the running batch, every piece of surgery on it, and the prefix cache.
 
 Rows are right-aligned (left-padded) in preallocated per-layer buffers ``[B, H, capacity, D]``: a decode step
 writes one column in place (``SlabLayer.update``) instead of re-concatenating the whole cache, as
 ``DynamicLayer`` does. Rows join and leave between decode steps through one operation, ``BatchKV.rebuild``, which
 copies the surviving rows and the new rows into fresh buffers as wide as the longest row (so columns that only
-held padding disappear). A new row arrives as a ``RowKV``: the unpadded KV of its prompt, from ``prefill`` or from
-the prefix cache.
+held padding disappear). A new row arrives as a ``RowKV``: the unpadded KV of its prompt, from ``prefill``, from
+the prefix cache, or from ``prefill_tails`` (a cached prefix's KV continued with the rest of the prompt).
 
 Padding columns hold zeros and are masked out; the engine passes explicit 4D boolean masks and position ids, so
 transformers' own mask construction is bypassed.
+
+``PrefixCache`` keeps token sequences' KV (per LoRA adapter) for reuse: the KV of a sequence's first ``n`` tokens
+depends on those tokens only (causal attention), so the entry of any cached sequence that starts a new prompt
+serves its first ``n`` positions exactly, and only the tail is run (``prefill_tails``). vLLM reuses blocks of
+any common prefix; here an entry is reused whole or not at all (``longest_prefix``).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any, NamedTuple
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
@@ -197,36 +202,147 @@ def prefill(model: torch.nn.Module, prompts: Sequence[Sequence[int]]) -> tuple[l
     return rows, logits
 
 
+def prefill_tails(
+    model: torch.nn.Module, pasts: Sequence[RowKV], tails: Sequence[Sequence[int]]
+) -> tuple[list[RowKV], torch.Tensor]:
+    """Continue cached KV: run ``tails[i]`` (non-empty) after ``pasts[i]``, the KV of the first ``n_i`` tokens of a
+    prompt, at positions ``n_i ..``; return each whole prompt's KV and its last-position logits ``[n, V]``.
+
+    One batch: the pasts right-aligned in columns ``[0, P)``, the tails right-aligned in ``[P, P + M)`` (``P``,
+    ``M``: the longest past and tail). A tail token attends its row's past and the tail tokens before it; padding
+    queries attend themselves only (as in ``prefill_inputs``). Only the tails' tokens go through the model.
+    """
+    if not tails or len(pasts) != len(tails) or any(len(t) == 0 for t in tails):
+        raise ValueError("prefill_tails needs one past per tail, and non-empty tails")
+    past_len = torch.tensor([r.length for r in pasts], dtype=torch.int64)
+    tail_len = torch.tensor([len(t) for t in tails], dtype=torch.int64)
+    pw, tw = int(past_len.max()), int(tail_len.max())
+    tail_pad = tw - tail_len
+    ids = torch.zeros((len(tails), tw), dtype=torch.int64)
+    for i, t in enumerate(tails):
+        ids[i, tw - len(t) :] = torch.tensor(list(t), dtype=torch.int64)
+    cols, q = torch.arange(pw + tw, dtype=torch.int64), torch.arange(tw, dtype=torch.int64)
+    valid = ((cols[None] >= pw - past_len[:, None]) & (cols[None] < pw)) | (
+        cols[None] >= pw + tail_pad[:, None]
+    )
+    causal = cols[None, None, :] <= pw + q[None, :, None]  # [1, q, k]
+    real = q[None, :] >= tail_pad[:, None]  # [n, q]
+    itself = cols[None, None, :] == pw + q[None, :, None]
+    mask = (real[:, :, None] & causal & valid[:, None, :]) | itself
+    positions = (past_len[:, None] + q[None, :] - tail_pad[:, None]).clamp_(min=0)
+    kv = BatchKV()
+    kv.rebuild([], pasts)  # the pasts right-aligned at width P; the forward appends the tails
+    logits = forward(
+        model, kv.cache, input_ids=ids, attention_mask=mask[:, None], position_ids=positions, logits_to_keep=1
+    )
+    rows = []
+    for i, (n, m) in enumerate(zip(past_len.tolist(), tail_len.tolist())):
+        spans = ((pw - n, pw), (pw + tw - m, pw + tw))  # the row's past, then its tail
+        rows.append(RowKV([(_take(lay.keys, i, spans), _take(lay.values, i, spans)) for lay in kv._layers()]))
+    return rows, logits
+
+
+def _take(t: torch.Tensor, row: int, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    return torch.cat([t[row, :, a:b] for a, b in spans], dim=1)
+
+
+class PrefixHit(NamedTuple):
+    """A cached sequence that starts the prompt looked up: its first ``length`` tokens' KV and the logits of its
+    last position (the prompt's own last logits when ``length`` is the prompt's length: an exact hit)."""
+
+    length: int
+    row: RowKV
+    logits: torch.Tensor
+
+
 class PrefixCache:
-    """LRU of exact prompts -> (prompt KV, last logits), so the requests of a group prefill their prompt once."""
+    """LRU of (adapter, token sequence) -> (its KV, its last-position logits).
+
+    Entries are prompts (so the requests of a group prefill their prompt once) and, from the engine, finished
+    replies (prompt + generated tokens but the last, whose KV was never computed: it would be the next step's
+    input), which start the next turn of a conversation. The capacity counts entries. ``clear()`` (weight
+    reloads, ``reset_prefix_cache``) bumps ``epoch``, so KV computed before it is never put back afterwards.
+
+    A plain dict in LRU order (oldest first): iterating an ``OrderedDict`` re-hashes every key, O(length) for a
+    tuple of tokens, which would make the ``longest_prefix`` scan cost O(total cached tokens).
+    """
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self._entries: OrderedDict[tuple[int, ...], tuple[RowKV, torch.Tensor]] = OrderedDict()
+        self._entries: dict[tuple[Any, tuple[int, ...]], tuple[RowKV, torch.Tensor]] = {}
         self.queries = 0
         self.hits = 0
+        self.reused_tokens = 0
+        """Prompt tokens whose KV came from the cache instead of a forward (exact and prefix hits)."""
+        self.epoch = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def __contains__(self, prompt: object) -> bool:
-        return prompt in self._entries
+        """Whether ``prompt`` is cached for the base model (no adapter)."""
+        return (None, prompt) in self._entries
 
-    def get(self, prompt: tuple[int, ...]) -> tuple[RowKV, torch.Tensor] | None:
+    def get(self, prompt: tuple[int, ...], adapter: Any = None) -> tuple[RowKV, torch.Tensor] | None:
+        """The exact entry of ``prompt``, or None."""
         self.queries += 1
-        entry = self._entries.get(prompt)
+        entry = self._entries.get((adapter, prompt))
         if entry is not None:
-            self.hits += 1
-            self._entries.move_to_end(prompt)
+            self._hit((adapter, prompt))
         return entry
 
-    def put(self, prompt: tuple[int, ...], row: RowKV, logits: torch.Tensor) -> None:
+    def longest_prefix(self, prompt: tuple[int, ...], adapter: Any = None) -> PrefixHit | None:
+        """The longest entry (of the same adapter) that is ``prompt`` itself or a strict prefix of it, or None.
+
+        Cost: one dict lookup for an exact hit; otherwise a scan of the entries with O(1) rejections (adapter,
+        length, the entry's last and middle tokens against the prompt's at those positions), and an O(n) tuple
+        comparison of a candidate that passes them: ~0.1 ms for 256 entries of ~2k tokens sharing 1.8k.
+        """
+        self.queries += 1
+        key = (adapter, prompt)
+        best = key if key in self._entries else self._longest_strict_prefix(prompt, adapter)
+        if best is None:
+            return None
+        self._hit(best)
+        row, logits = self._entries[best]
+        return PrefixHit(len(best[1]), row, logits)
+
+    def cached_length(self, prompt: tuple[int, ...], adapter: Any = None) -> int:
+        """How many leading tokens of ``prompt`` the cache holds (``longest_prefix`` without counting it)."""
+        if (adapter, prompt) in self._entries:
+            return len(prompt)
+        best = self._longest_strict_prefix(prompt, adapter)
+        return 0 if best is None else len(best[1])
+
+    def _longest_strict_prefix(self, prompt: tuple[int, ...], adapter: Any) -> tuple | None:
+        best, best_len, size = None, 0, len(prompt)
+        for key in self._entries:
+            owner, tokens = key
+            n = len(tokens)
+            if (
+                best_len < n < size
+                and owner is adapter
+                and tokens[-1] == prompt[n - 1]
+                and tokens[n // 2] == prompt[n // 2]
+                and tokens == prompt[:n]
+            ):
+                best, best_len = key, n
+        return best
+
+    def _hit(self, key: tuple) -> None:
+        self.hits += 1
+        self.reused_tokens += len(key[1])
+        self._entries[key] = self._entries.pop(key)  # most recently used: last
+
+    def put(self, prompt: tuple[int, ...], row: RowKV, logits: torch.Tensor, adapter: Any = None) -> None:
         if self.capacity <= 0:
             return
-        self._entries[prompt] = (row, logits)
-        self._entries.move_to_end(prompt)
+        key = (adapter, prompt)
+        self._entries.pop(key, None)
+        self._entries[key] = (row, logits)
         while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+            del self._entries[next(iter(self._entries))]
 
     def clear(self) -> None:
         self._entries.clear()
+        self.epoch += 1

@@ -35,3 +35,14 @@ class RolloutWorkerError(RunFailure):
 
 class ServerExitedError(RunFailure):
     """A server the run started (embedded, vllm_launch) exited while the run needed it; names pid, status, log."""
+
+
+def require_picklable(obj: object, what: str, fix: str) -> None:
+    """Raise a ``UserError`` ``"{what} cannot be pickled (<why>); {fix}"`` unless ``obj`` pickles: everything
+    the spawned rollout process receives (reward functions, environment factories) crosses by pickling."""
+    import pickle
+
+    try:
+        pickle.dumps(obj)
+    except Exception as e:
+        raise UserError(f"{what} cannot be pickled ({e}); {fix}") from e

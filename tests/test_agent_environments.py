@@ -112,9 +112,9 @@ def test_a_mapping_routes_rows_by_the_environment_column():
         (E + "NoResetEnv", rf"{KEY} \(.*NoResetEnv\) has no reset method"),
         (
             E + "lambda_factory",
-            r"cannot be pickled into the rollout process .*not in a function or as a lambda",
+            r"cannot be pickled .*built in the rollout process.*not in a function or as a lambda",
         ),
-        (E + "LocalEnv", r"cannot be pickled into the rollout process"),
+        (E + "LocalEnv", r"cannot be pickled"),
         ("tests.helpers.no_such_module:Env", rf"{KEY}: cannot import module 'tests.helpers.no_such_module'"),
         (E + "NoSuchEnv", r"has no attribute 'NoSuchEnv'"),
         ("incremnt", r"unknown environment 'incremnt'. Did you mean 'increment'\?"),

@@ -29,13 +29,11 @@ import random
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from asyncgrpo_cli import registry
-from asyncgrpo_cli.config.schema import RolloutConfig, SamplingConfig
 from asyncgrpo_cli.data.sources import PromptOrder
 from asyncgrpo_cli.metrics.reducer import MetricWindow
 from asyncgrpo_cli.rollout.admission import Admission
@@ -51,6 +49,7 @@ from asyncgrpo_cli.rollout.rewards import RewardFunction
 from asyncgrpo_cli.rollout.scorers import ScoredGroup, ScorerContext
 from asyncgrpo_cli.rollout.sequences import rollout_to_sequences
 from asyncgrpo_cli.rollout.served_name import start_group
+from asyncgrpo_cli.rollout.settings import RolloutSettings
 from asyncgrpo_cli.samples import PromptResolved, Rollout, RolloutDone, RolloutGroup, TurnRecord
 
 log = logging.getLogger(__name__)
@@ -59,41 +58,6 @@ METRICS_INTERVAL_S = 1.0
 HEARTBEAT_INTERVAL_S = 1.0
 _CURRENT_ROW: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("asyncgrpo_current_row")
 """The dataset row of the group a rollout task belongs to (set per group; rollout tasks inherit it)."""
-
-
-@dataclass
-class RolloutSettings:
-    """Everything the rollout process needs, resolved by the trainer (picklable, no argv re-parsing)."""
-
-    sampling: SamplingConfig
-    rollout: RolloutConfig
-    base_url: str
-    served_model: str
-    max_model_len: int
-    server_timeout: float
-    max_retries: int
-    num_topk: int
-    """Top log-probs requested per token (0 when the loss needs none)."""
-    tokenizer_path: str
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    total_prompts: int | None = None
-    """Prompts to generate in all (epoch-based runs); None: cycle over the data until stopped."""
-    dataset_start_index: int = 0
-    skip_prompt_seqs: list[int] = field(default_factory=list)
-    """Prompt positions at or after ``dataset_start_index`` already trained before a resume."""
-    data_seed: int = 0
-    shuffle: bool = True
-    seed_offset: int = 0
-    sampling_mask: bool = False
-    """Request each token's candidate set (``/inference/v1/generate``): truncated sampling on a server that
-    returns sampling masks (resolved at startup by ``server.mask_support.resolve_sampling_mask``)."""
-    prepared: dict[str, Any] = field(default_factory=dict)
-    """What the loop class's ``prepare`` resolved in the trainer process before the spawn (e.g. the teacher
-    endpoints of the distillation loop); empty for the default loop."""
-    versioned_model: str | None = None
-    """The model name of each policy version, with ``{version}`` (LoRA adapter sync: ``policy-v{version}``): a
-    group requests the version current when it starts, the one its samples are tagged with. None: every
-    request names ``served_model``."""
 
 
 class AsyncRolloutLoop:

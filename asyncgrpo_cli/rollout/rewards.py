@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
-import pickle
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from functools import partial
@@ -19,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from asyncgrpo_cli import registry
-from asyncgrpo_cli.errors import UserError
+from asyncgrpo_cli.errors import UserError, require_picklable
 
 
 class RewardError(RuntimeError):
@@ -59,14 +58,12 @@ def load_reward_funcs(entries: list[Any]) -> list[RewardFunction]:
                 raise UserError(f"rewards.funcs[{i}] ({name}): bad options {options}: {e}") from e
         if not callable(obj):
             raise UserError(f"rewards.funcs[{i}] ({name}) is not callable.")
-        try:
-            pickle.dumps(obj)
-        except Exception as e:
-            raise UserError(
-                f"rewards.funcs[{i}] ({name}) cannot be pickled ({e}); reward functions run in a separate process: "
-                "use a module-level function, functools.partial, or a callable class instance (not a lambda or a "
-                "closure)."
-            ) from e
+        require_picklable(
+            obj,
+            f"rewards.funcs[{i}] ({name})",
+            "reward functions run in a separate process: use a module-level function, functools.partial, or a "
+            "callable class instance (not a lambda or a closure).",
+        )
         call = obj.__call__ if not inspect.isfunction(obj) and not inspect.ismethod(obj) else obj
         is_async = inspect.iscoroutinefunction(obj) or inspect.iscoroutinefunction(call)
         display = name if ":" not in name else _func_name(obj)

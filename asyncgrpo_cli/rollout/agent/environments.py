@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import pickle
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor
@@ -32,7 +31,7 @@ from functools import partial
 from typing import Any
 
 from asyncgrpo_cli import registry
-from asyncgrpo_cli.errors import UserError
+from asyncgrpo_cli.errors import UserError, require_picklable
 from asyncgrpo_cli.metrics.reducer import MetricWindow
 from asyncgrpo_cli.rollout.agent.tools import Tool, check_unique, tool_from_callable
 from asyncgrpo_cli.samples import Rollout
@@ -115,13 +114,12 @@ def _resolve(entry: Any, key: str) -> Callable[[], Any]:
         raise UserError(f"{key} ({entry}) is not callable: give a class or a factory function.")
     if inspect.isclass(factory) and not callable(getattr(factory, "reset", None)):
         raise UserError(f"{key} ({entry}) has no reset method: an environment needs reset(**row_columns).")
-    try:
-        pickle.dumps(factory)
-    except Exception as e:
-        raise UserError(
-            f"{key} ({entry}) cannot be pickled into the rollout process ({e}): define the class (or factory "
-            "function) at module level, not in a function or as a lambda."
-        ) from e
+    require_picklable(
+        factory,
+        f"{key} ({entry})",
+        "environments are built in the rollout process: define the class (or factory function) at module level, "
+        "not in a function or as a lambda.",
+    )
     return factory
 
 

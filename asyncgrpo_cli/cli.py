@@ -383,6 +383,7 @@ def _bench(args: list[str]) -> None:
         "packing": "asyncgrpo_cli.bench.packing:main",
         "trainer": "asyncgrpo_cli.bench.trainer:main",
         "weight-sync": "asyncgrpo_cli.bench.weight_sync:main",
+        "prefix-reuse": "asyncgrpo_cli.bench.prefix_reuse:main",
     }
     if not args or args[0] not in benches:
         raise UserError(f"asyncgrpo bench NAME [OVERRIDES]; benchmarks: {', '.join(benches)}")

@@ -262,3 +262,24 @@ def test_the_grpo_scorer_is_registered_and_conforms():
     assert "grpo" in registry.names("scorer")
     with pytest.raises(UserError, match=r"unknown scorer 'gpro'. Did you mean 'grpo'\?"):
         registry.resolve("scorer", "gpro")
+
+
+def test_signal_watch_warns_once_per_window_when_nearly_every_group_is_dropped(caplog):
+    from asyncgrpo_cli.rollout.scorers.grpo import SignalWatch
+
+    watch = SignalWatch(window=10, frac=0.9)
+    with caplog.at_level("WARNING", logger="asyncgrpo_cli.rollout.scorers.grpo"):
+        for _ in range(10):
+            watch.observe(False, 0.5)  # groups with signal: no warning
+        for _ in range(8):
+            watch.observe(True, 1.0)
+        assert watch.warnings == 0  # 8 of 10 dropped: below 90%
+        watch.observe(True, 1.0)
+        assert watch.warnings == 1  # 9 of 10
+        for _ in range(9):
+            watch.observe(True, 1.0)
+        assert watch.warnings == 1  # at most once per window of groups
+        watch.observe(True, float("nan"))
+        assert watch.warnings == 2
+    assert "9 of the last 10 groups had rewards without variance" in caplog.text
+    assert "Their mean reward is 1 (the best possible" in caplog.text

@@ -15,6 +15,11 @@ Rules (reference section e):
    instead of yielding advantages of +-1. The decision looks at rewards, not at the advantages
    ``compute_advantages`` returns.
 
+A run whose groups almost all have zero variance trains on next to nothing and waits for the few groups that
+still have signal (the task is solved, or out of reach): :class:`SignalWatch` warns when at least
+``SATURATED_FRAC`` of the last ``SIGNAL_WINDOW`` groups were dropped, with their mean reward, at most once per
+``SIGNAL_WINDOW`` groups.
+
 Metrics per group: ``reward``, ``rewards/{name}/mean`` (a reward function's name, or an environment's class
 name), ``reward_dropped``, ``frac_reward_zero_std``,
 ``rollout/groups_scored_count``, ``rollout/groups_dropped_count``, ``rollout/score_s``.
@@ -22,8 +27,10 @@ name), ``reward_dropped``, ``frac_reward_zero_std``,
 
 from __future__ import annotations
 
+import logging
 import math
 import time
+from collections import deque
 from typing import ClassVar
 
 import numpy as np
@@ -31,6 +38,8 @@ import numpy as np
 from asyncgrpo_cli.rollout.rewards import call_reward_funcs
 from asyncgrpo_cli.rollout.scorers.base import AdvantageHook, ScoredGroup, ScorerContext
 from asyncgrpo_cli.samples import RolloutGroup, TrainingSequence
+
+log = logging.getLogger(__name__)
 
 ZERO_STD_RTOL = 1e-6
 """Rule 4: a group whose reward std is at most this times ``max(1, max |r|)`` has zero variance."""
@@ -91,6 +100,40 @@ def group_std(rewards: np.ndarray) -> float:
     return float(r.std()) if r.size else math.nan
 
 
+SIGNAL_WINDOW = 32
+SATURATED_FRAC = 0.9
+
+
+class SignalWatch:
+    """Warns when nearly every recent group is dropped for zero variance (see the module docstring)."""
+
+    def __init__(self, window: int = SIGNAL_WINDOW, frac: float = SATURATED_FRAC):
+        self.window, self.frac = window, frac
+        self._recent: deque[tuple[bool, float]] = deque(maxlen=window)
+        self._since_warning = window
+        self.warnings = 0
+
+    def observe(self, dropped: bool, mean_reward: float) -> None:
+        self._recent.append((dropped, mean_reward))
+        self._since_warning += 1
+        if len(self._recent) < self.window or self._since_warning < self.window:
+            return
+        drops = [r for d, r in self._recent if d]
+        if len(drops) < self.frac * self.window:
+            return
+        self._since_warning = 0
+        self.warnings += 1
+        scored = [r for r in drops if not math.isnan(r)]
+        log.warning(
+            "%d of the last %d groups had rewards without variance (frac_reward_zero_std): they give no gradient, "
+            "and the trainer waits for the few that do. Their mean reward is %s (the best possible: the task is "
+            "solved; the worst: it is out of reach): stop the run, or change the data or the rewards",
+            len(drops),
+            self.window,
+            f"{sum(scored) / len(scored):.3g}" if scored else "undefined (none scored)",
+        )
+
+
 class GroupScorer:
     """GRPO: reward functions plus ``Rollout.reward``, group-normalized advantages, zero-signal groups dropped."""
 
@@ -100,6 +143,7 @@ class GroupScorer:
         self.reward_funcs = ctx.reward_funcs
         self.metrics = ctx.metrics
         self.executor = ctx.executor
+        self.signal = SignalWatch()
 
     def advantages(self, group: RolloutGroup) -> np.ndarray:
         """The default ``compute_advantages``: rule 3 on ``group.rewards``."""
@@ -120,6 +164,8 @@ class GroupScorer:
         if advantages.shape != (G,):
             raise RuntimeError(f"compute_advantages returned shape {advantages.shape}; expected ({G},)")
         dropped = is_zero_signal(group.rewards)
+        scored = _scored(group.rewards)
+        self.signal.observe(dropped, float(scored.mean()) if scored.size else math.nan)
         self.metrics.add("rollout/score_s", time.monotonic() - t0)
         self._record(group, per_func, [rf.name for rf in self.reward_funcs] + env_names, dropped)
         if dropped:

@@ -6,7 +6,7 @@ re-tokenized. The reply is appended to the conversation as the decoded text it i
 template never re-serializes parsed calls, which would drift from what was sampled). Its tool calls run in the
 order written (``tools.run_tool_calls``) and each result is appended as a ``tool`` message. The loop ends when
 
-1. a reply calls no tool, or was cut at ``sampling.max_completion_length`` (finish reason ``length``: its calls
+1. a reply calls no tool, or did not finish (cut at ``sampling.max_completion_length`` or aborted: its calls
    are not run);
 2. ``rollout.max_tool_calling_iterations`` rounds have run and the reply still calls tools
    (``tools/loop_exhausted_frac``);
@@ -106,7 +106,7 @@ class ToolLoop:
             conversation.append({"role": "assistant", "content": text})
             reply = self.parser.parse(text) if tools else ParsedReply(text, [])
             completion.append(_assistant_message(reply))
-            if not reply.calls or turn.finish_reason == "length":
+            if not reply.calls or turn.finish_reason not in ("stop", None):  # cut or aborted: calls not run
                 break
             if (
                 self.limits.max_tool_calling_iterations is not None

@@ -238,3 +238,28 @@ def test_train_refuses_a_lambda_tool_before_any_rollout(tmp_path):
         "rollout.tools[0] ('tests.helpers.agent_tools:lambda_tool'): a lambda cannot be pickled"
         in proc.stderr
     )
+
+
+def test_the_reference_curriculum_skips_solved_prompts_through_filter_prompt(tmp_path):
+    """Reference p.3 through the hooks: epoch 1 scores every prompt, epoch 2 skips those whose pass rate reached
+    the cap; skipped prompts still count as consumed, so the epoch-based run ends."""
+    run = tmp_path / "run"
+    proc = launch(
+        run,
+        "+recipe=tiny",
+        "rollout.loop=tests.helpers.curriculum:CurriculumRolloutLoop",
+        "+rollout.loop_options={pass_rate_cap: 0.5, pass_threshold: 0.99}",
+        "rewards.funcs=[tests.helpers.curriculum:even_rows_solved]",
+        "trainer.max_steps=-1",
+        "trainer.num_train_epochs=2",
+        "data.num_examples=16",
+        "data.shuffle=false",
+        "trainer.save_steps=0",
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    filtered = sum(r.get("rollout/filtered_prompt_count", 0) or 0 for r in rows)
+    scored = sum(r.get("rollout/groups_scored_count", 0) or 0 for r in rows)
+    # even rows are solved in epoch 1 (pass rate 1 >= 0.5): epoch 2 skips exactly those 8
+    assert filtered == 8 and scored == 24, (filtered, scored)

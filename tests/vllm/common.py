@@ -12,6 +12,18 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
 """1 GiB of KV cache (plenty for the tiny model) and no hub lookups."""
 
 
+def vllm_launch_overrides(vllm_python: str) -> list[str]:
+    """The overrides of an ``asyncgrpo train`` run that starts vLLM's CPU build itself (``server=vllm_launch``)."""
+    return [
+        "server=vllm_launch",
+        f"server.vllm_launch.python={vllm_python}",
+        "server.vllm_launch.enforce_eager=true",
+        *[f"+server.vllm_launch.env.{k}={v}" for k, v in VLLM_ENV.items()],
+        "server.startup_timeout=420",
+        "sampling.seed_per_request=false",  # seeded requests under concurrency kill vLLM CPU's engine
+    ]
+
+
 def vllm_pids(log_path: Path) -> set[int]:
     """The API server's, engine's and worker's process ids, as vLLM prints them in its log."""
     text = log_path.read_text(errors="replace") if log_path.is_file() else ""

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from asyncgrpo_cli.rollout.sequences import common_prefix_len
-from tests.vllm.common import VLLM_ENV, running, vllm_pids
+from tests.vllm.common import running, vllm_launch_overrides, vllm_pids
 
 pytestmark = pytest.mark.vllm
 
@@ -43,12 +43,7 @@ def train_on_vllm(run: Path, vllm_python: str, *overrides: str) -> list[dict]:
         "asyncgrpo_cli",
         "train",
         *overrides,
-        "server=vllm_launch",
-        f"server.vllm_launch.python={vllm_python}",
-        "server.vllm_launch.enforce_eager=true",
-        *[f"+server.vllm_launch.env.{k}={v}" for k, v in VLLM_ENV.items()],
-        "server.startup_timeout=420",
-        "sampling.seed_per_request=false",
+        *vllm_launch_overrides(vllm_python),
         "trainer.max_steps=2",
         "trainer.save_steps=0",
         "logging.console=plain",

@@ -11,27 +11,21 @@ import sys
 
 import pytest
 
-from tests.vllm.common import VLLM_ENV, running, vllm_pids
+from tests.vllm.common import running, vllm_launch_overrides, vllm_pids
 
 pytestmark = pytest.mark.vllm
 
 
 def test_train_two_steps_with_vllm_launch(tmp_path, vllm_python):
     run = tmp_path / "run"
-    env_overrides = [f"+server.vllm_launch.env.{k}={v}" for k, v in VLLM_ENV.items()]
     args = [
         sys.executable,
         "-m",
         "asyncgrpo_cli",
         "train",
         "+recipe=tiny",
-        "server=vllm_launch",
-        f"server.vllm_launch.python={vllm_python}",
+        *vllm_launch_overrides(vllm_python),
         "server.vllm_launch.max_model_len=256",
-        "server.vllm_launch.enforce_eager=true",
-        *env_overrides,
-        "server.startup_timeout=420",
-        "sampling.seed_per_request=false",
         "trainer.max_steps=2",
         "trainer.save_steps=0",
         "logging.console=plain",

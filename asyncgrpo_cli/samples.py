@@ -363,6 +363,9 @@ class Rollout:
     ``reset`` added its task); None: the row's prompt."""
     env_reward: tuple[str, float | None] | None = None
     """(environment class name, its ``get_reward()``) for a rollout whose environment defines ``get_reward``."""
+    unscored: str | None = None
+    """Why the rollout cannot be scored (a harness that timed out, crashed, ...): its reward is NaN whatever
+    the reward sources return (advantage 0, out of the group's mean and std). None: scored as usual."""
     extras: dict[str, Any] = field(default_factory=dict)
     """What a loop's hook attaches for its scorer, by name (the distillation loop: ``TEACHER_TOPK``, the
     teacher's scores of the completion tokens, one row per completion token)."""
@@ -463,6 +466,11 @@ class RolloutGroup:
     def env_rewards(self) -> list[tuple[str, float | None] | None]:
         """Per rollout, (environment class name, reward) when its environment defines ``get_reward``, else None."""
         return [r.env_reward for r in self.rollouts]
+
+    @property
+    def unscored(self) -> list[bool]:
+        """Per rollout, whether it is unscored whatever its reward sources say (``Rollout.unscored``)."""
+        return [r.unscored is not None for r in self.rollouts] or [False] * len(self.completions)
 
 
 @dataclass

@@ -177,7 +177,7 @@ def test_grpo_keeps_its_group_rules_and_refuses_the_distillation_loss():
     ]
     assert _errors("rewards=none") == [
         "rewards.funcs is empty: give at least one reward function (or an environment with get_reward, "
-        "rollout.environment_factory)."
+        'rollout.environment_factory, or a harness that prints {"reward": ...}, rollout.harness.command).'
     ]
     assert compose_config(
         ["+recipe=tiny", "rewards=none", "rollout.environment_factory=increment"]

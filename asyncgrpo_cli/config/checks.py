@@ -14,6 +14,7 @@ from typing import Any
 from asyncgrpo_cli.config import lora as lora_policy
 from asyncgrpo_cli.config import teacher as teacher_policy
 from asyncgrpo_cli.config.choices import choice_errors
+from asyncgrpo_cli.config.harness import harness_errors
 from asyncgrpo_cli.config.schema import (
     DataConfig,
     LoggingConfig,
@@ -93,6 +94,13 @@ def rollout_errors(ro: RolloutConfig) -> Iterator[str]:
         yield (
             f"rollout.environment_factory must be a name, module:Class, or {{name: factory}}; got {env!r}."
         )
+    if ro.harness.command:
+        yield from harness_errors(ro.harness)
+        if ro.has_agents:
+            yield (
+                "rollout.harness.command runs its own agent loop and tools: leave rollout.tools and "
+                "rollout.environment_factory empty (the harness calls its tools itself)."
+            )
 
 
 def trainer_errors(tr: TrainerConfig) -> Iterator[str]:
@@ -237,10 +245,10 @@ def grpo_needs_groups(cfg: RootConfig) -> Iterator[str]:
             f"sampling.num_generations ({cfg.sampling.num_generations}) must be >= 2: GRPO normalizes rewards "
             "within a group."
         )
-    if not cfg.rewards.funcs and not cfg.rollout.environment_factory:
+    if not cfg.rewards.funcs and not cfg.rollout.environment_factory and not cfg.rollout.harness.enabled:
         yield (
             "rewards.funcs is empty: give at least one reward function (or an environment with get_reward, "
-            "rollout.environment_factory)."
+            'rollout.environment_factory, or a harness that prints {"reward": ...}, rollout.harness.command).'
         )
 
 
@@ -266,6 +274,11 @@ def environment_rows_need_an_environment(cfg: RootConfig) -> Iterator[str]:
 
 
 def tools_need_grpo(cfg: RootConfig) -> Iterator[str]:
+    if cfg.algorithm == "distill" and cfg.rollout.harness.enabled:
+        yield (
+            "rollout.harness.command is not supported by asyncgrpo distill (its rollouts are single completions "
+            "scored by a teacher); train harnesses with asyncgrpo train."
+        )
     if cfg.algorithm == "distill" and cfg.rollout.has_agents:
         yield (
             "rollout.tools / rollout.environment_factory are not supported by asyncgrpo distill (its rollouts "

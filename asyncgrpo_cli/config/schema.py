@@ -27,6 +27,7 @@ from asyncgrpo_cli.config.choices import (
     choice_of,
 )
 from asyncgrpo_cli.config.fields import F
+from asyncgrpo_cli.config.harness import HarnessConfig
 from asyncgrpo_cli.config.server_schema import (  # the server group's schemas, re-exported
     EmbeddedServerConfig as EmbeddedServerConfig,
 )
@@ -258,10 +259,22 @@ class RolloutConfig:
         "tokens); false warns. Known families (ChatML, Qwen3) get a shipped training template instead.",
     )
 
+    harness: HarnessConfig = F(
+        help="An agent program run once per rollout against a recording OpenAI-compatible proxy (its own loop, "
+        "tools and reward): rollout.harness.command=[python, my_agent.py].",
+        factory=HarnessConfig,
+    )
+
     @property
     def has_agents(self) -> bool:
         """Whether rollouts may call tools (tools or environments configured)."""
         return bool(self.tools) or bool(self.environment_factory)
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether rollouts render tool schemas and tool messages (the tool loop or a harness): the chat template
+        must then be a training template (``rollout/agent/templates.py``)."""
+        return self.has_agents or self.harness.enabled
 
 
 @dataclass

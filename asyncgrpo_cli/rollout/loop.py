@@ -11,7 +11,8 @@ The loop generates; it neither decides when a group may start nor what a group i
 Per prompt: ``filter_prompt`` decides whether to generate; ``generate_one`` runs ``num_generations`` times
 (the multi-turn tool loop of ``rollout/agent/episode.py``, calling ``generate_one_turn`` per sampling request; one
 turn when the rollout has no tools; inside an environment instance when ``rollout.environment_factory`` is set,
-``rollout/agent/environments.py``); once the whole group has finished it waits on the
+``rollout/agent/environments.py``; or, with ``rollout.harness.command``, one run of the agent program
+against the recording proxy, ``rollout/harness/``); once the whole group has finished it waits on the
 score queue, the scorer scores it (calling ``compute_advantages``), and its samples go on the rollout queue, or a
 ``PromptResolved`` marker when it yields none. ``setup`` / ``close`` create and release resources on the loop's
 event loop (``close`` also runs on failure).
@@ -29,7 +30,7 @@ import random
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -51,6 +52,9 @@ from asyncgrpo_cli.rollout.sequences import rollout_to_sequences
 from asyncgrpo_cli.rollout.served_name import start_group
 from asyncgrpo_cli.rollout.settings import RolloutSettings
 from asyncgrpo_cli.samples import PromptResolved, Rollout, RolloutDone, RolloutGroup, TurnRecord
+
+if TYPE_CHECKING:
+    from asyncgrpo_cli.rollout.harness.runner import HarnessRunner
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +145,14 @@ class AsyncRolloutLoop:
         decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         parser = tool_call_parser(r.tool_call_format)
         self.tool_loop = ToolLoop(limits, parser, decode, self.metrics, self._tool_executor)
+        self.harness: HarnessRunner | None = None
+        """``rollout.harness``: every rollout runs the agent program against the recording proxy instead."""
+        if r.harness.enabled:
+            from asyncgrpo_cli.rollout.harness.runner import build_harness
+
+            self.harness = build_harness(
+                settings, tokenizer, self.metrics, self.render, self.generate_one_turn
+            )
 
     # ------------------------------------------------------------------ hooks
     @classmethod
@@ -153,7 +165,7 @@ class AsyncRolloutLoop:
         dict reaches the loop as ``self.settings.prepared``. ``cfg`` is the ``RootConfig``; ``max_model_len``
         the generation server's. The default loop checks its tools and environments here (importable, picklable,
         the dataset's routing column) and picks the chat template of the tool loop (``chat_template``)."""
-        if not cfg.rollout.has_agents:
+        if not cfg.rollout.renders_tools:
             return {}
         from asyncgrpo_cli.rollout.agent.startup import check_agents
 
@@ -231,12 +243,18 @@ class AsyncRolloutLoop:
         except LookupError:
             raise RuntimeError("current_row is only set inside a group's rollouts (generate_one)") from None
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
         """Token ids of the conversation through the chat template, with the generation prompt (and the tool
-        schemas, when the rollout has tools)."""
+        schemas, when the rollout has tools); ``template_kwargs`` go over ``model.chat_template_kwargs``."""
         extra = {"tools": tools} if tools else {}
+        kwargs = {**self.settings.chat_template_kwargs, **template_kwargs}
         out = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, **extra, **self.settings.chat_template_kwargs
+            messages, add_generation_prompt=True, tokenize=True, **extra, **kwargs
         )
         ids = out["input_ids"] if hasattr(out, "keys") else out
         return [int(t) for t in ids]
@@ -266,6 +284,8 @@ class AsyncRolloutLoop:
         score_task: asyncio.Task | None = None
         try:
             await poller.start()
+            if self.harness is not None:
+                await self.harness.start()
             await self.setup()
             score_task = asyncio.create_task(self._score_loop())
             num = await self._generate_loop(score_task)
@@ -280,6 +300,8 @@ class AsyncRolloutLoop:
             try:
                 await self.close()
             finally:
+                if self.harness is not None:
+                    await self.harness.close()
                 await poller.close()
                 await watch.close()
                 await self.client.close()
@@ -404,7 +426,9 @@ class AsyncRolloutLoop:
         self, prompt: list[dict[str, str]], group_id: int, row: dict[str, Any]
     ) -> Rollout:
         t0 = time.monotonic()
-        if self.environments:
+        if self.harness is not None:
+            rollout = await self.harness.run(row)
+        elif self.environments:
             rollout = await run_in_environment(
                 self.env_pool,
                 self.environments.kind_for(row),

@@ -4,7 +4,8 @@
 - every ``rollout.tools`` entry resolves to a module-level, picklable function with a usable schema;
 - every ``rollout.environment_factory`` entry resolves to a picklable factory with ``reset``; a mapping needs
   the dataset's ``environment`` column, naming only configured environments;
-- something rewards the rollouts: ``rewards.funcs`` or an environment with ``get_reward``;
+- something rewards the rollouts: ``rewards.funcs`` or an environment with ``get_reward`` (a harness may print
+  its own reward, so ``rollout.harness.command`` only needs its program to exist);
 - the chat template: a shipped training template for known families, else a prefix-preservation check that
   warns (or fails with ``rollout.require_prefix_preserving_template=true``).
 """
@@ -29,7 +30,9 @@ def check_agents(cfg: Any, dataset: Any, tokenizer_path: str) -> str | None:
     check_unique(tools)
     envs = load_environments(ro.environment_factory)
     envs.check_rows(list(dataset.column_names), lambda: dataset[ROUTE_COLUMN])
-    if not cfg.rewards.funcs and all(k.has_reward is False for k in envs.kinds.values()):
+    if ro.harness.enabled:
+        check_harness_command(list(ro.harness.command), ro.harness.cwd)
+    elif not cfg.rewards.funcs and all(k.has_reward is False for k in envs.kinds.values()):
         raise UserError(
             "rewards.funcs is empty and no environment of rollout.environment_factory defines get_reward(): "
             "nothing would score the rollouts; add a reward function or a get_reward method."
@@ -50,9 +53,35 @@ def check_agents(cfg: Any, dataset: Any, tokenizer_path: str) -> str | None:
     elif choice.family:
         log.info("tool loop: the %s training chat template is swapped in (prefix-preserving)", choice.family)
     names = [t.name for t in tools]
+    if ro.harness.enabled:
+        log.info("agents: harness %s (timeout %gs)", " ".join(ro.harness.command), ro.harness.timeout)
+        return choice.template
     log.info(
         "agents: tools %s; environments %s",
         ", ".join(names) or "none",
         ", ".join(f"{n} ({k.class_name})" for n, k in envs.kinds.items()) or "none",
     )
     return choice.template
+
+
+def check_harness_command(command: list[str], cwd: str | None) -> None:
+    """The harness program exists and is executable (``rollout.harness.command``), and ``cwd`` is a directory."""
+    import os
+    import shutil
+
+    from asyncgrpo_cli.config.harness import resolve_command
+
+    program = resolve_command(command)[0]
+    if cwd is not None and not os.path.isdir(cwd):
+        raise UserError(f"rollout.harness.cwd {cwd!r} is not a directory.")
+    if os.sep in program:  # a path: relative to rollout.harness.cwd when set (the program runs there)
+        path = program if os.path.isabs(program) or cwd is None else os.path.join(cwd, program)
+        found = os.path.isfile(path) and os.access(path, os.X_OK)
+    else:
+        found = shutil.which(program) is not None
+    if not found:
+        raise UserError(
+            f"rollout.harness.command: {program!r} is not an executable program (not on PATH, or not executable"
+            f"{' from rollout.harness.cwd' if cwd else ''}); give its path, or start the command with python to "
+            "run a script with this interpreter."
+        )

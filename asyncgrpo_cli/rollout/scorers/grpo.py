@@ -6,7 +6,7 @@ Rules (reference section e):
    rollout's environment's ``get_reward()`` (one source per environment class) and ``Rollout.reward``; a source
    returning ``None`` is left out of that sum;
 2. a completion no source scored is *unscored* (NaN): it is excluded from the group mean and std and gets
-   advantage 0;
+   advantage 0; so is a rollout marked ``Rollout.unscored`` (a harness that failed), whatever its sources say;
 3. advantage = (r - mean) / std over the scored completions (population std, no epsilon: a kept group's std is
    above the tolerance of rule 4);
 4. a group is dropped (``zero_std``) when fewer than two completions are scored, or when it has *zero variance*:
@@ -159,6 +159,7 @@ class GroupScorer:
         per_func = np.concatenate([per_func, env_src], axis=0)
         rollout_src = np.array([np.nan if r is None else float(r) for r in group.rollout_rewards])[None, :]
         group.rewards = sum_sources(np.concatenate([per_func, rollout_src], axis=0))
+        group.rewards[np.asarray(group.unscored, dtype=bool)] = np.nan  # rule 2 for a failed rollout
         hook = compute_advantages or self.advantages
         advantages = np.asarray(hook(group), dtype=np.float64)
         if advantages.shape != (G,):

@@ -1,0 +1,504 @@
+"""The OpenAI request and response shapes the recording proxy speaks: validation, message conversion, answers.
+
+Pure functions over JSON-like values (no server, no tokenizer), so every rule is testable on its own.
+
+Requests the proxy cannot serve faithfully are refused with HTTP 400 naming the field (:class:`Rejected`):
+training on tokens sampled under settings other than the run's would bias the importance ratios. Refused:
+
+- more than one choice (``n`` > 1, ``best_of``, a list of prompts);
+- sampling settings that differ from the run's ``sampling.*``: ``temperature``, ``top_p``, ``top_k``,
+  ``min_p``, ``repetition_penalty``; any ``presence_penalty`` / ``frequency_penalty`` other than 0, any
+  ``logit_bias``, ``stop`` strings, ``response_format`` / guided decoding, a ``tool_choice`` other than
+  ``auto`` (``none`` and named functions constrain the sampler);
+- ``echo``, ``suffix``, ``continue_final_message``, non-text message parts (images, audio).
+
+Accepted as given: ``model`` (any name; the answer echoes it), ``max_tokens`` / ``max_completion_tokens``
+(capped at ``sampling.max_completion_length``: a shorter cut does not change what is sampled), ``seed``
+(ignored: the run seeds requests), ``logprobs`` / ``top_logprobs`` (answered from the sampler's values),
+``stream`` (the finished answer as server-sent events), ``chat_template_kwargs`` (vLLM's extension, merged over
+``model.chat_template_kwargs``), ``tools``, ``parallel_tool_calls``, ``user``, ``metadata``, ``store``.
+Unknown fields are ignored, as OpenAI clients send extras.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncgrpo_cli.rollout.agent.tool_calls import ParsedReply
+
+
+class Rejected(Exception):
+    """A request the proxy refuses: HTTP ``status`` with OpenAI's error shape, naming ``param``."""
+
+    def __init__(self, param: str | None, message: str, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.message = message
+        self.status = status
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        if self.status == 401:
+            kind = "authentication_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class RunSampling:
+    """The run's sampling settings: what a request must match (or leave unset)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    max_completion_length: int
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict[str, Any]]
+    """Messages as the template receives them (text content, ``developer`` -> ``system``)."""
+    raw_messages: list[dict[str, Any]]
+    """The messages as sent (the conversation reward functions see)."""
+    tools: list[dict[str, Any]] | None
+    max_tokens: int
+    explicit_max_tokens: bool
+    """Whether the request set ``max_tokens``: a reply then may not be cut to fit ``max_model_len``."""
+    model: str
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CompletionRequest:
+    prompt: str | list[int]
+    max_tokens: int
+    explicit_max_tokens: bool
+    model: str
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int = 0
+
+
+def _same(value: Any, expected: float) -> bool:
+    try:
+        return math.isclose(float(value), float(expected), rel_tol=1e-6, abs_tol=1e-9)
+    except (TypeError, ValueError):
+        return False
+
+
+def _check_sampling(body: dict[str, Any], run: RunSampling) -> None:
+    if body.get("n") not in (None, 1):
+        raise Rejected(
+            "n", "n must be 1: every sample is one rollout's trace (run G rollouts for G samples)."
+        )
+    if body.get("best_of") not in (None, 1):
+        raise Rejected("best_of", "best_of is not supported: it samples choices the trace would not record.")
+    for name, run_value in (
+        ("temperature", run.temperature),
+        ("top_p", run.top_p),
+        ("min_p", run.min_p),
+        ("repetition_penalty", run.repetition_penalty),
+    ):
+        v = body.get(name)
+        if v is not None and not _same(v, run_value):
+            raise Rejected(
+                name,
+                f"{name}={v} differs from the run's sampling.{name}={run_value}: tokens sampled under other "
+                f"settings would bias training; leave {name} unset or send {run_value}.",
+            )
+    top_k = body.get("top_k")
+    off = {-1, 0}  # both mean "no top-k" to vLLM
+    if top_k is not None and (top_k in off if run.top_k <= 0 else top_k == run.top_k) is False:
+        raise Rejected(
+            "top_k",
+            f"top_k={top_k} differs from the run's sampling.top_k={run.top_k}; leave top_k unset.",
+        )
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = body.get(name)
+        if v is not None and not _same(v, 0.0):
+            raise Rejected(name, f"{name}={v} is not supported (it changes the sampler); leave it unset.")
+    if body.get("logit_bias"):
+        raise Rejected("logit_bias", "logit_bias is not supported (it changes the sampler); leave it unset.")
+    if body.get("stop"):
+        raise Rejected(
+            "stop",
+            "stop strings are not supported: a reply ends at the chat template's end-of-turn token or at "
+            "max_tokens; cut the text in the agent instead.",
+        )
+    for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "structured_outputs"):
+        if body.get(name) not in (None, {"type": "text"}):
+            raise Rejected(name, f"{name} is not supported: constrained decoding changes the sampler.")
+
+
+def _max_tokens(body: dict[str, Any], run: RunSampling) -> tuple[int, bool]:
+    requested = body.get("max_completion_tokens", body.get("max_tokens"))
+    if requested is None:
+        return run.max_completion_length, False
+    param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise Rejected(param, f"{param} must be a positive integer, got {requested!r}.")
+    return min(requested, run.max_completion_length), True
+
+
+def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = bool(body.get("stream"))
+    opts = body.get("stream_options") or {}
+    return stream, bool(stream and isinstance(opts, dict) and opts.get("include_usage"))
+
+
+def _text_of(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("text", "input_text", "output_text"):
+                raise Rejected(
+                    f"{where}.content[{j}].type",
+                    f"{where}.content[{j}] is of type {kind!r}: only text parts are supported.",
+                )
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise Rejected(f"{where}.content", f"{where}.content must be a string or a list of text parts.")
+
+
+def template_message(message: Any, i: int) -> dict[str, Any]:
+    """One OpenAI message as the chat template receives it."""
+    where = f"messages[{i}]"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise Rejected(where, f"{where} must be an object with a 'role'.")
+    role = message["role"]
+    if role == "developer":
+        role = "system"
+    if role not in ("system", "user", "assistant", "tool"):
+        raise Rejected(
+            f"{where}.role", f"{where}.role {role!r} is not one of system, developer, user, assistant, tool."
+        )
+    out: dict[str, Any] = {"role": role, "content": _text_of(message.get("content"), where)}
+    if role == "assistant" and message.get("tool_calls"):
+        out["tool_calls"] = [
+            _template_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(message["tool_calls"])
+        ]
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            if message.get(key) is not None:
+                out[key] = message[key]
+    return out
+
+
+def _template_call(call: Any, where: str) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise Rejected(
+            where, f"{where} must be {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}."
+        )
+    return {
+        "type": "function",
+        "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments"))},
+    }
+
+
+def _arguments(value: Any) -> Any:
+    """Arguments as data (a JSON string decoded), which is what the templates render."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value) if value.strip() else {}
+        except ValueError:
+            return value
+    return {} if value is None else value
+
+
+def parse_chat(body: Any, run: RunSampling) -> ChatRequest:
+    """Validate a ``/v1/chat/completions`` body (see the module docstring for what is refused)."""
+    if not isinstance(body, dict):
+        raise Rejected(None, "the request body must be a JSON object.")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise Rejected("messages", "messages must be a non-empty list.")
+    _check_sampling(body, run)
+    if body.get("continue_final_message"):
+        raise Rejected("continue_final_message", "continue_final_message is not supported.")
+    if body.get("add_generation_prompt") is False:
+        raise Rejected("add_generation_prompt", "add_generation_prompt=false is not supported.")
+    tools = body.get("tools") or None
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise Rejected("tools", "tools must be a list.")
+        for j, t in enumerate(tools):
+            if not isinstance(t, dict) or t.get("type", "function") != "function" or "function" not in t:
+                raise Rejected(
+                    f"tools[{j}]", f"tools[{j}] must be {{'type': 'function', 'function': {{...}}}}."
+                )
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto"):
+        raise Rejected(
+            "tool_choice",
+            f"tool_choice={choice!r} is not supported: only 'auto' (forcing or forbidding calls constrains the "
+            "sampler); leave it unset.",
+        )
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise Rejected("chat_template_kwargs", "chat_template_kwargs must be an object.")
+    top = body.get("top_logprobs") or 0
+    if not isinstance(top, int) or not 0 <= top <= 20:
+        raise Rejected("top_logprobs", f"top_logprobs must be an integer in [0, 20], got {top!r}.")
+    stream, usage = _stream_options(body)
+    max_tokens, explicit = _max_tokens(body, run)
+    return ChatRequest(
+        messages=[template_message(m, i) for i, m in enumerate(messages)],
+        raw_messages=messages,
+        tools=tools,
+        max_tokens=max_tokens,
+        explicit_max_tokens=explicit,
+        model=str(body.get("model") or ""),
+        stream=stream,
+        include_usage=usage,
+        logprobs=bool(body.get("logprobs")),
+        top_logprobs=top,
+        template_kwargs=dict(kwargs),
+    )
+
+
+def parse_completion(body: Any, run: RunSampling) -> CompletionRequest:
+    """Validate a ``/v1/completions`` body: one prompt, a string or a list of token ids."""
+    if not isinstance(body, dict):
+        raise Rejected(None, "the request body must be a JSON object.")
+    prompt = body.get("prompt")
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        pass
+    elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if not (isinstance(prompt, str) and prompt) and not (
+        isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
+    ):
+        raise Rejected(
+            "prompt",
+            "prompt must be one non-empty string or one list of token ids (a batch is not supported).",
+        )
+    _check_sampling(body, run)
+    for name in ("echo", "suffix"):
+        if body.get(name):
+            raise Rejected(name, f"{name} is not supported.")
+    lp = body.get("logprobs") or 0
+    if isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 20:
+        raise Rejected("logprobs", f"logprobs must be an integer in [0, 20], got {lp!r}.")
+    stream, usage = _stream_options(body)
+    max_tokens, explicit = _max_tokens(body, run)
+    return CompletionRequest(
+        prompt=prompt,
+        max_tokens=max_tokens,
+        explicit_max_tokens=explicit,
+        model=str(body.get("model") or ""),
+        stream=stream,
+        include_usage=usage,
+        logprobs=lp,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- answers
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def assistant_message(reply: ParsedReply) -> dict[str, Any]:
+    """The reply in OpenAI's shape: well-formed calls as ``tool_calls`` (arguments as a JSON string, a fresh
+    id each); a malformed call is left out (the text around it is the content). Content is null when the reply
+    is only calls."""
+    calls = [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
+        }
+        for c in reply.calls
+        if c.error is None
+    ]
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": reply.content if reply.content or not calls else None,
+    }
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def finish_reason(sampler_reason: str | None, message: dict[str, Any]) -> str:
+    if sampler_reason == "length":
+        return "length"
+    if sampler_reason == "abort":
+        return "abort"
+    return "tool_calls" if message.get("tool_calls") else "stop"
+
+
+def reply_key(message: dict[str, Any]) -> str:
+    """What identifies an assistant message the proxy answered when an agent sends it back in its history:
+    the stripped content and each call's name and arguments (as data, so a client that re-serializes the
+    arguments JSON still matches). Call ids are not part of it (agents often drop or rewrite them)."""
+    calls = []
+    for c in message.get("tool_calls") or []:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if isinstance(fn, dict):
+            calls.append([fn.get("name"), _arguments(fn.get("arguments"))])
+    content = message.get("content")
+    text = content if isinstance(content, str) else ""
+    return json.dumps([text.strip(), calls], sort_keys=True, ensure_ascii=False, default=str)
+
+
+def chat_logprobs(tokens: list[str], lps: list[float], tops: list[dict[str, float]] | None) -> dict[str, Any]:
+    content = []
+    for j, (tok, lp) in enumerate(zip(tokens, lps)):
+        top = tops[j] if tops else {}
+        content.append(
+            {
+                "token": tok,
+                "logprob": lp,
+                "bytes": list(tok.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))} for t, v in top.items()
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def chat_response(
+    request_model: str,
+    message: dict[str, Any],
+    reason: str,
+    n_prompt: int,
+    n_completion: int,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "id": new_id("chatcmpl"),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": request_model,
+        "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": logprobs}],
+        "usage": usage(n_prompt, n_completion),
+    }
+
+
+def chat_stream_events(response: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    """A finished chat answer as ``chat.completion.chunk`` events: the role, the content, each tool call
+    whole, the finish reason, then the usage when asked for."""
+    choice = response["choices"][0]
+    message = choice["message"]
+    base = {
+        "id": response["id"],
+        "object": "chat.completion.chunk",
+        "created": response["created"],
+        "model": response["model"],
+    }
+
+    def chunk(delta: dict[str, Any], reason: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+        return {
+            **base,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}],
+        }
+
+    events = [chunk({"role": "assistant", "content": ""})]
+    if message.get("content"):
+        events.append(chunk({"content": message["content"]}, logprobs=choice.get("logprobs")))
+    for j, call in enumerate(message.get("tool_calls") or []):
+        events.append(chunk({"tool_calls": [{"index": j, **call}]}))
+    events.append(chunk({}, choice["finish_reason"]))
+    if include_usage:
+        events.append({**base, "choices": [], "usage": response["usage"]})
+    return events
+
+
+def completion_response(
+    request_model: str,
+    text: str,
+    reason: str,
+    n_prompt: int,
+    n_completion: int,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "id": new_id("cmpl"),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": request_model,
+        "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}],
+        "usage": usage(n_prompt, n_completion),
+    }
+
+
+def completion_logprobs(
+    tokens: list[str], lps: list[float], tops: list[dict[str, float]] | None
+) -> dict[str, Any]:
+    offsets, pos = [], 0
+    for tok in tokens:
+        offsets.append(pos)
+        pos += len(tok)
+    return {
+        "tokens": tokens,
+        "token_logprobs": lps,
+        "top_logprobs": tops if tops else None,
+        "text_offset": offsets,
+    }
+
+
+def completion_stream_events(response: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    choice = response["choices"][0]
+    base = {
+        "id": response["id"],
+        "object": "text_completion",
+        "created": response["created"],
+        "model": response["model"],
+    }
+    events = [
+        {
+            **base,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": choice["text"],
+                    "finish_reason": None,
+                    "logprobs": choice.get("logprobs"),
+                }
+            ],
+        },
+        {
+            **base,
+            "choices": [{"index": 0, "text": "", "finish_reason": choice["finish_reason"], "logprobs": None}],
+        },
+    ]
+    if include_usage:
+        events.append({**base, "choices": [], "usage": response["usage"]})
+    return events
+
+
+def sse(events: list[dict[str, Any]]) -> bytes:
+    """Server-sent events, closed by ``data: [DONE]`` as OpenAI does."""
+    lines = [f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events]
+    lines.append("data: [DONE]\n\n")
+    return "".join(lines).encode("utf-8")

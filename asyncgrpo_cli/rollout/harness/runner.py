@@ -1,0 +1,347 @@
+"""Running one harness process per rollout (``rollout.harness``), and turning what it did into a ``Rollout``.
+
+For a rollout the runner opens a trace on the proxy (a fresh bearer token), starts ``command`` in a new
+session (its own process group) with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``ASYNCGRPO_MODEL`` and
+``rollout.harness.env``, writes the dataset row as one JSON line on its standard input and closes it, and waits
+up to ``rollout.harness.timeout``. Then, however the process ended, its whole process group is stopped (SIGTERM,
+``stop_grace_s``, SIGKILL) and the token expires.
+
+Outcomes (a failed one is counted and its rollout *unscored*: reward NaN whatever the sources say, advantage 0,
+left out of its group's mean and std, as reference section e treats unscored completions):
+
+- exit status 0: the last non-empty line of standard output may be ``{"reward": <float or null>}`` (a reward
+  source, ``Rollout.reward``); any other last line is log output and gives no reward; a last line that is a JSON
+  object with a ``reward`` that is not a number is ``harness/bad_output_count``;
+- timeout: ``harness/timeout_count``; non-zero exit or a signal: ``harness/exit_failure_count`` (the tail of
+  its standard error is logged, for the first few);
+- it exited while requests of its own were still being served: ``harness/late_request_count`` (they are
+  cancelled; requests after that get 401);
+- the policy server failed under it: the error is raised (the run stops, as for any rollout).
+
+Every process a harness leaves behind in its group is stopped with it. Harnesses also die with the rollout
+process: the direct child is armed with ``PR_SET_PDEATHSIG`` (Linux), and a SIGTERM to the rollout process stops
+every live group first. Output is read as it comes and only its tail is kept (``OUTPUT_TAIL_BYTES``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from asyncgrpo_cli.config.harness import HarnessConfig, resolve_command
+from asyncgrpo_cli.errors import UserError
+from asyncgrpo_cli.metrics.reducer import MetricWindow
+from asyncgrpo_cli.parent_watch import die_with_parent
+from asyncgrpo_cli.rollout.harness.proxy import RecordingProxy
+from asyncgrpo_cli.rollout.harness.trace import trace_rollout
+from asyncgrpo_cli.samples import Rollout
+
+log = logging.getLogger(__name__)
+
+OUTPUT_TAIL_BYTES = 64 * 1024
+STDERR_LOGGED = 5
+"""Failed harnesses whose standard error tail is logged (then only counted)."""
+FAILURE_COUNTS = (
+    "harness/exit_failure_count",
+    "harness/timeout_count",
+    "harness/late_request_count",
+    "harness/bad_output_count",
+)
+READER_GRACE_S = 2.0
+"""How long the output readers may outlive the process group (a process that left the group holds the pipes)."""
+
+
+def row_json(row: dict[str, Any]) -> str:
+    """The dataset row as one JSON line (numpy values as lists / numbers, anything else as its string)."""
+
+    def default(value: Any) -> Any:
+        if hasattr(value, "tolist"):
+            return value.tolist()
+        if hasattr(value, "isoformat"):
+            return value.isoformat()
+        return str(value)
+
+    return json.dumps(row, default=default, ensure_ascii=False) + "\n"
+
+
+@dataclass
+class Outcome:
+    reward: float | None = None
+    unscored: str | None = None
+    """Why the rollout cannot be scored (None: it can)."""
+
+
+def parse_reward(stdout: bytes) -> Outcome:
+    """The reward line rule of the module docstring, on a finished harness's standard output."""
+    lines = [ln for ln in stdout.decode("utf-8", errors="replace").splitlines() if ln.strip()]
+    if not lines:
+        return Outcome()
+    try:
+        value = json.loads(lines[-1])
+    except ValueError:
+        return Outcome()
+    if not isinstance(value, dict) or "reward" not in value:
+        return Outcome()
+    reward = value["reward"]
+    if reward is None:
+        return Outcome()
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        return Outcome(unscored=f"bad reward line {lines[-1][:200]!r}")
+    return Outcome(reward=float(reward))
+
+
+class _Tail:
+    """Reads a stream to its end, keeping the last ``limit`` bytes."""
+
+    def __init__(self, stream: asyncio.StreamReader | None, limit: int = OUTPUT_TAIL_BYTES):
+        self.data = bytearray()
+        self.limit = limit
+        self.task = asyncio.create_task(self._read(stream)) if stream is not None else None
+
+    async def _read(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(65536):
+            self.data += chunk
+            if len(self.data) > 2 * self.limit:
+                del self.data[: len(self.data) - self.limit]
+
+    async def finish(self, timeout: float) -> bytes:
+        if self.task is not None:
+            try:
+                await asyncio.wait_for(self.task, timeout)
+            except (asyncio.TimeoutError, Exception):
+                self.task.cancel()
+        return bytes(self.data[-self.limit :])
+
+
+class ProcessGroups:
+    """Live harness process groups, stopped on close and on SIGTERM to this process."""
+
+    def __init__(self) -> None:
+        self.live: set[int] = set()
+        self._previous: Any = None
+
+    def install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self.kill_all()
+            signal.signal(signal.SIGTERM, self._previous if callable(self._previous) else signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def restore_sigterm(self) -> None:
+        if self._previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def kill_all(self) -> None:
+        for pgid in list(self.live):
+            _signal_group(pgid, signal.SIGKILL)
+        self.live.clear()
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Signal a process group; False once it is gone."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+async def stop_group(pgid: int, grace_s: float) -> None:
+    """SIGTERM the group, wait up to ``grace_s`` for it to empty, then SIGKILL what is left."""
+    if not _signal_group(pgid, signal.SIGTERM):
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        if not _signal_group(pgid, 0):
+            return
+    _signal_group(pgid, signal.SIGKILL)
+
+
+class HarnessRunner:
+    """Runs ``rollout.harness.command`` per rollout against a :class:`RecordingProxy`."""
+
+    def __init__(self, cfg: HarnessConfig, proxy: RecordingProxy, metrics: MetricWindow, max_concurrent: int):
+        self.cfg = cfg
+        self.command = resolve_command(list(cfg.command))
+        self.proxy = proxy
+        self.metrics = metrics
+        self.groups = ProcessGroups()
+        self._slots = asyncio.Semaphore(max(1, max_concurrent))
+        self._logged = 0
+
+    async def start(self) -> None:
+        await self.proxy.start()
+        self.groups.install_sigterm()
+
+    async def close(self) -> None:
+        self.groups.kill_all()
+        self.groups.restore_sigterm()
+        await self.proxy.close()
+
+    def environment(self, token: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({str(k): str(v) for k, v in (self.cfg.env or {}).items()})
+        env.update(
+            {
+                "OPENAI_BASE_URL": self.proxy.base_url,
+                "OPENAI_API_KEY": token,
+                "ASYNCGRPO_MODEL": self.proxy.policy.served_model,
+            }
+        )
+        return env
+
+    async def run(self, row: dict[str, Any]) -> Rollout:
+        """One rollout: start the harness on ``row``, wait for it, stop its group; the trace as a Rollout."""
+        async with self._slots:
+            trace = self.proxy.traces.open()
+            t0 = time.monotonic()
+            try:
+                outcome = await self._run_process(row, trace.token)
+            finally:
+                late = self.proxy.traces.close(trace)
+            self.metrics.add("harness/duration_s", time.monotonic() - t0)
+        if trace.server_error is not None:
+            raise trace.server_error
+        if late and outcome.unscored is None:
+            self.metrics.add("harness/late_request_count", late)
+            outcome.unscored = f"exited with {late} request(s) in flight"
+        rollout = trace_rollout(trace)
+        rollout.reward = outcome.reward
+        rollout.unscored = outcome.unscored
+        self.metrics.add("harness/unscored_count", float(outcome.unscored is not None))
+        for name in FAILURE_COUNTS:  # every rollout adds to each count, so a run without failures logs zeros
+            self.metrics.add(name, 0.0)
+        return rollout
+
+    async def _run_process(self, row: dict[str, Any], token: str) -> Outcome:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self.command,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=self.environment(token),
+                cwd=self.cfg.cwd or None,
+                start_new_session=True,
+                preexec_fn=die_with_parent(),
+            )
+        except OSError as e:
+            raise UserError(
+                f"rollout.harness.command {self.command!r} could not be started ({type(e).__name__}: {e}): check "
+                "the program's path and permissions (python / python3 run this interpreter)."
+            ) from e
+        pgid = proc.pid  # start_new_session: the child leads its own group
+        self.groups.live.add(pgid)
+        out, err = _Tail(proc.stdout), _Tail(proc.stderr, 8 * 1024)
+        timed_out = False
+        deadline = time.monotonic() + self.cfg.timeout
+        try:
+            await self._feed(proc, row, self.cfg.timeout)
+            try:
+                await asyncio.wait_for(proc.wait(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                timed_out = True
+        finally:
+            await stop_group(pgid, self.cfg.stop_grace_s)
+            self.groups.live.discard(pgid)
+            if proc.returncode is None:
+                try:
+                    await asyncio.wait_for(proc.wait(), self.cfg.stop_grace_s + 1.0)
+                except asyncio.TimeoutError:  # pragma: no cover - SIGKILL was sent
+                    pass
+            stdout = await out.finish(READER_GRACE_S)
+            stderr = await err.finish(READER_GRACE_S)
+        if timed_out:
+            self.metrics.add("harness/timeout_count", 1)
+            self._log_failure(f"ran past rollout.harness.timeout={self.cfg.timeout:g}s", stderr)
+            return Outcome(unscored="timeout")
+        if proc.returncode != 0:
+            self.metrics.add("harness/exit_failure_count", 1)
+            how = (
+                f"exited with status {proc.returncode}"
+                if proc.returncode > 0
+                else f"died of signal {-proc.returncode}"
+            )
+            self._log_failure(how, stderr)
+            return Outcome(unscored=how)
+        outcome = parse_reward(stdout)
+        if outcome.unscored is not None:
+            self.metrics.add("harness/bad_output_count", 1)
+            self._log_failure(outcome.unscored, stderr)
+        return outcome
+
+    async def _feed(self, proc: asyncio.subprocess.Process, row: dict[str, Any], timeout: float) -> None:
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(row_json(row).encode("utf-8"))
+            await asyncio.wait_for(proc.stdin.drain(), timeout)
+        except (BrokenPipeError, ConnectionResetError, asyncio.TimeoutError):
+            pass  # it does not read its input (or already exited): its exit status tells the rest
+        finally:
+            try:
+                proc.stdin.close()
+            except (BrokenPipeError, ConnectionResetError):  # pragma: no cover
+                pass
+
+    def _log_failure(self, how: str, stderr: bytes) -> None:
+        self._logged += 1
+        if self._logged > STDERR_LOGGED:
+            return
+        tail = stderr.decode("utf-8", errors="replace").strip()[-2000:]
+        log.warning(
+            "harness %s %s; its rollout is unscored%s%s",
+            " ".join(self.command),
+            how,
+            f". Standard error ends with:\n{tail}" if tail else " (no standard error)",
+            ""
+            if self._logged < STDERR_LOGGED
+            else "\n(further harness failures are only counted: harness/*)",
+        )
+
+
+def build_harness(
+    settings: Any, tokenizer: Any, metrics: MetricWindow, render: Any, generate: Any
+) -> HarnessRunner:
+    """The runner and proxy of ``settings.rollout.harness`` for a rollout loop: ``render(messages, tools,
+    **template_kwargs)`` and ``generate(prompt_ids, max_tokens=...)`` are the loop's own."""
+    from asyncgrpo_cli.rollout.agent.tool_calls import tool_call_parser
+    from asyncgrpo_cli.rollout.harness.openai_api import RunSampling
+    from asyncgrpo_cli.rollout.harness.proxy import Policy
+
+    s = settings.sampling
+    policy = Policy(
+        render=lambda messages, tools, kwargs: render(messages, tools, **kwargs),
+        tokenize=lambda text: [int(t) for t in tokenizer(text)["input_ids"]],
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        token_text=lambda t: tokenizer.decode([t]),
+        generate=lambda ids, n: generate(ids, max_tokens=n),
+        parser=tool_call_parser(settings.rollout.tool_call_format),
+        sampling=RunSampling(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty,
+            max_completion_length=s.max_completion_length,
+        ),
+        max_model_len=settings.max_model_len,
+        sampling_mask=settings.sampling_mask,
+        served_model=settings.served_model,
+    )
+    r = settings.rollout
+    return HarnessRunner(r.harness, RecordingProxy(policy, metrics), metrics, r.max_concurrent_rollouts)

@@ -12,7 +12,7 @@ another distribution, gives ratios far from it); later steps' ratios also carry 
 is bounded loosely.
 
 The sampling-mask path is not run here: ``--return-sampling-mask`` needs vLLM's Model Runner V2, which the CPU
-build lacks (``test_vllm_sampling_mask.py``); the proxy's mask requests are covered against the embedded server.
+build lacks (``test_vllm_sampling_mask.py``), so on this host that path runs only against the embedded server.
 """
 
 from __future__ import annotations

@@ -41,6 +41,8 @@ class Trace:
     last_text: str | None = None
     """The last ``/v1/completions`` answer's text."""
     inflight: set[asyncio.Task] = field(default_factory=set)
+    cancelled: set[asyncio.Task] = field(default_factory=set)
+    """Requests ``close`` cancelled (their handlers answer 401 instead of propagating the cancellation)."""
     closed: bool = False
     late_requests: int = 0
     """Requests still in flight when the harness exited (cancelled): the harness left before its answers."""
@@ -70,6 +72,7 @@ class Trace:
         self.closed = True
         pending = [t for t in self.inflight if not t.done()]
         for t in pending:
+            self.cancelled.add(t)
             t.cancel()
         self.late_requests += len(pending)
         return len(pending)

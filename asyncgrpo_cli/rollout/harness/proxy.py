@@ -72,7 +72,8 @@ class TraceTable:
 
     def __init__(self) -> None:
         self.active: dict[str, Trace] = {}
-        self.expired: OrderedDict[str, None] = OrderedDict()
+        self.expired: OrderedDict[str, Trace] = OrderedDict()
+        """Tokens of ended rollouts -> their (released) traces, the last ``EXPIRED_TOKENS_KEPT``."""
 
     def open(self) -> Trace:
         trace = Trace(token=f"agrpo-{secrets.token_urlsafe(24)}")
@@ -80,8 +81,10 @@ class TraceTable:
         return trace
 
     def close(self, trace: Trace) -> int:
-        self.active.pop(trace.token, None)
-        self.expired[trace.token] = None
+        """Expire the trace's token and cancel its requests in flight (how many); idempotent."""
+        if self.active.pop(trace.token, None) is None:
+            return trace.close()
+        self.expired[trace.token] = trace
         while len(self.expired) > EXPIRED_TOKENS_KEPT:
             self.expired.popitem(last=False)
         return trace.close()
@@ -94,6 +97,7 @@ class TraceTable:
         if trace is not None:
             return trace
         if token in self.expired:
+            self.expired[token].request_after_exit()
             raise api.Rejected(
                 None,
                 "this API key belongs to a rollout that has ended: requests after the harness exited are "
@@ -236,6 +240,8 @@ class RecordingProxy:
         self.metrics.add(
             "harness/unauthorized_count" if e.status == 401 else "harness/rejected_request_count", 1
         )
+        if e.code == "expired_api_key":
+            self.metrics.add("harness/late_request_count", 1)
         return JSONResponse(e.body(), status_code=e.status)
 
     def _as_sampled(self, trace: Trace, message: dict[str, Any]) -> dict[str, Any]:

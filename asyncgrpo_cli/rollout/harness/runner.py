@@ -14,8 +14,9 @@ left out of its group's mean and std, as reference section e treats unscored com
   object with a ``reward`` that is not a number is ``harness/bad_output_count``;
 - timeout: ``harness/timeout_count``; non-zero exit or a signal: ``harness/exit_failure_count`` (the tail of
   its standard error is logged, for the first few);
-- it exited while requests of its own were still being served: ``harness/late_request_count`` (they are
-  cancelled; requests after that get 401);
+- it exited while requests of its own were still being served (they are cancelled), or a process it left
+  behind sent one with its token afterwards (401): ``harness/late_request_count``; a late request that comes
+  after the rollout's group was scored is only counted;
 - the policy server failed under it: the error is raised (the run stops, as for any rollout).
 
 Every process a harness leaves behind in its group is stopped with it. Harnesses also die with the rollout
@@ -41,7 +42,7 @@ from asyncgrpo_cli.errors import UserError
 from asyncgrpo_cli.metrics.reducer import MetricWindow
 from asyncgrpo_cli.parent_watch import die_with_parent
 from asyncgrpo_cli.rollout.harness.proxy import RecordingProxy
-from asyncgrpo_cli.rollout.harness.trace import trace_rollout
+from asyncgrpo_cli.rollout.harness.trace import Trace, trace_rollout
 from asyncgrpo_cli.samples import Rollout
 
 log = logging.getLogger(__name__)
@@ -213,31 +214,32 @@ class HarnessRunner:
             trace = self.proxy.traces.open()
             t0 = time.monotonic()
             try:
-                outcome = await self._run_process(row, trace.token)
+                outcome = await self._run_process(row, trace)
             finally:
-                late = self.proxy.traces.close(trace)
+                self.proxy.traces.close(trace)
             self.metrics.add("harness/duration_s", time.monotonic() - t0)
         if trace.server_error is not None:
             raise trace.server_error
+        late = trace.late_requests
         if late and outcome.unscored is None:
-            self.metrics.add("harness/late_request_count", late)
-            outcome.unscored = f"exited with {late} request(s) in flight"
+            outcome.unscored = f"left {late} request(s) unanswered or sent them after it exited"
         rollout = trace_rollout(trace)
         rollout.reward = outcome.reward
         rollout.unscored = outcome.unscored
+        trace.release(rollout)  # a request that still comes with its token unscores it (until it is scored)
         self.metrics.add("harness/unscored_count", float(outcome.unscored is not None))
         for name in FAILURE_COUNTS:  # every rollout adds to each count, so a run without failures logs zeros
             self.metrics.add(name, 0.0)
         return rollout
 
-    async def _run_process(self, row: dict[str, Any], token: str) -> Outcome:
+    async def _run_process(self, row: dict[str, Any], trace: Trace) -> Outcome:
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self.command,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
-                env=self.environment(token),
+                env=self.environment(trace.token),
                 cwd=self.cfg.cwd or None,
                 start_new_session=True,
                 preexec_fn=die_with_parent(),
@@ -259,6 +261,7 @@ class HarnessRunner:
             except asyncio.TimeoutError:
                 timed_out = True
         finally:
+            self.proxy.traces.close(trace)  # its token expires the moment it exits (or times out)
             await stop_group(pgid, self.cfg.stop_grace_s)
             self.groups.live.discard(pgid)
             if proc.returncode is None:

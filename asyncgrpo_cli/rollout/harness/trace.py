@@ -20,6 +20,7 @@ used ``/v1/completions`` gets the row's prompt and ``[{"role": "assistant", "con
 from __future__ import annotations
 
 import asyncio
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,10 +46,30 @@ class Trace:
     """Requests ``close`` cancelled (their handlers answer 401 instead of propagating the cancellation)."""
     closed: bool = False
     late_requests: int = 0
-    """Requests still in flight when the harness exited (cancelled): the harness left before its answers."""
+    """Requests still in flight when the harness exited (cancelled), or sent with its token after that."""
+    rollout: weakref.ref[Rollout] | None = None
+    """The rollout built from this trace (``release``): a late request unscores it while it lives."""
     server_error: BaseException | None = None
     """A failure of the policy server while serving this rollout (re-raised by the runner: the run stops, as
     the tool loop's would)."""
+
+    def request_after_exit(self) -> None:
+        """A request came with this trace's token after the harness exited."""
+        self.late_requests += 1
+        rollout = self.rollout() if self.rollout is not None else None
+        if rollout is not None and rollout.unscored is None:
+            rollout.unscored = "a process of the harness sent a request after it exited"
+
+    def release(self, rollout: Rollout) -> None:
+        """The rollout is built: keep only what answers a late request (the token table keeps ended traces)."""
+        self.rollout = weakref.ref(rollout)
+        self.turns, self.replies, self.first_messages, self.conversation, self.last_text = (
+            [],
+            {},
+            None,
+            None,
+            None,
+        )
 
     def raw_text(self, message: dict[str, Any]) -> str | None:
         """The sampled text of an assistant message this trace answered, or None."""
@@ -68,7 +89,9 @@ class Trace:
         self.last_text = text
 
     def close(self) -> int:
-        """Stop accepting requests; cancel those in flight (returns how many were)."""
+        """Stop accepting requests; cancel those in flight (returns how many were). Idempotent."""
+        if self.closed:
+            return 0
         self.closed = True
         pending = [t for t in self.inflight if not t.done()]
         for t in pending:

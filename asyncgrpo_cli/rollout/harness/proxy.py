@@ -180,7 +180,7 @@ class RecordingProxy:
             req = api.parse_chat(await _json(request), self.policy.sampling)
             messages = [self._as_sampled(trace, m) for m in req.messages]
             prompt_ids = self.policy.render(messages, req.tools, req.template_kwargs)
-            turn = await self._sample(trace, prompt_ids, req.max_tokens, req.explicit_max_tokens)
+            turn = await self._sample(trace, prompt_ids, req.max_tokens, req.explicit_max_tokens, "messages")
         except api.Rejected as e:
             return self._refused(e)
         text = self.policy.decode(turn.output_ids)
@@ -212,7 +212,7 @@ class RecordingProxy:
             prompt_ids = (
                 list(req.prompt) if isinstance(req.prompt, list) else self.policy.tokenize(req.prompt)
             )
-            turn = await self._sample(trace, prompt_ids, req.max_tokens, req.explicit_max_tokens)
+            turn = await self._sample(trace, prompt_ids, req.max_tokens, req.explicit_max_tokens, "prompt")
         except api.Rejected as e:
             return self._refused(e)
         text = self.policy.decode(turn.output_ids)
@@ -248,7 +248,7 @@ class RecordingProxy:
         raw = trace.raw_text(message)
         return message if raw is None else {"role": "assistant", "content": raw}
 
-    def _budget(self, prompt_len: int, max_tokens: int, explicit: bool) -> int:
+    def _budget(self, prompt_len: int, max_tokens: int, explicit: bool, param: str) -> int:
         room = self.policy.max_model_len - prompt_len
         if room >= max_tokens:
             return max_tokens
@@ -256,16 +256,17 @@ class RecordingProxy:
             return room
         self.metrics.add("rollout/max_model_len_stop_count", 1)
         raise api.Rejected(
-            "messages",
+            param,
             f"this request has {prompt_len} prompt tokens and asks for {max_tokens} more, beyond the server's "
             f"max_model_len of {self.policy.max_model_len}: shorten the conversation (or lower max_tokens).",
             code="context_length_exceeded",
         )
 
     async def _sample(
-        self, trace: Trace, prompt_ids: list[int], max_tokens: int, explicit: bool
+        self, trace: Trace, prompt_ids: list[int], max_tokens: int, explicit: bool, param: str
     ) -> TurnRecord:
-        budget = self._budget(len(prompt_ids), max_tokens, explicit)
+        """Sample one turn; ``param`` is the field a too-long prompt is refused under (messages / prompt)."""
+        budget = self._budget(len(prompt_ids), max_tokens, explicit, param)
         if trace.closed:  # the harness exited while this request's body was read
             raise api.Rejected(
                 None, "the rollout ended before this request was served.", status=401, code="expired_api_key"

@@ -57,6 +57,7 @@ FAILURE_COUNTS = (
 )
 READER_GRACE_S = 2.0
 """How long the output readers may outlive the process group (a process that left the group holds the pipes)."""
+EXIT_POLL_S = 0.02
 
 
 def row_json(row: dict[str, Any]) -> str:
@@ -172,6 +173,18 @@ async def stop_group(pgid: int, grace_s: float) -> None:
     _signal_group(pgid, signal.SIGKILL)
 
 
+async def wait_exit(proc: asyncio.subprocess.Process, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for the process itself to exit (False: it still runs). Not
+    ``Process.wait()``: that also waits until its stdout and stderr pipes close, which a process it left
+    behind holds open."""
+    deadline = time.monotonic() + timeout
+    while proc.returncode is None:
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(EXIT_POLL_S)
+    return True
+
+
 class HarnessRunner:
     """Runs ``rollout.harness.command`` per rollout against a :class:`RecordingProxy`."""
 
@@ -252,18 +265,11 @@ class HarnessRunner:
         deadline = time.monotonic() + self.cfg.timeout
         try:
             await self._feed(proc, row, self.cfg.timeout)
-            try:
-                await asyncio.wait_for(proc.wait(), max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                timed_out = True
+            timed_out = not await wait_exit(proc, max(0.0, deadline - time.monotonic()))
         finally:
             await stop_group(pgid, self.cfg.stop_grace_s)
             self.groups.live.discard(pgid)
-            if proc.returncode is None:
-                try:
-                    await asyncio.wait_for(proc.wait(), self.cfg.stop_grace_s + 1.0)
-                except asyncio.TimeoutError:  # pragma: no cover - SIGKILL was sent
-                    pass
+            await wait_exit(proc, self.cfg.stop_grace_s + 1.0)  # SIGKILL was sent
             stdout = await out.finish(READER_GRACE_S)
             stderr = await err.finish(READER_GRACE_S)
         if timed_out:

@@ -260,7 +260,8 @@ class RecordingProxy:
         self, trace: Trace, prompt_ids: list[int], max_tokens: int, explicit: bool
     ) -> TurnRecord:
         budget = self._budget(len(prompt_ids), max_tokens, explicit)
-        if trace.closed:  # the harness exited while this request's body was read
+        if trace.closed:  # the harness exited (this request came from a process it left, or was being read)
+            trace.late_requests += 1
             raise api.Rejected(
                 None, "the rollout ended before this request was served.", status=401, code="expired_api_key"
             )

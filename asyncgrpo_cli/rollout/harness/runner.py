@@ -3,8 +3,9 @@
 For a rollout the runner opens a trace on the proxy (a fresh bearer token), starts ``command`` in a new
 session (its own process group) with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``ASYNCGRPO_MODEL`` and
 ``rollout.harness.env``, writes the dataset row as one JSON line on its standard input and closes it, and waits
-up to ``rollout.harness.timeout``. Then, however the process ended, its whole process group is stopped (SIGTERM,
-``stop_grace_s``, SIGKILL) and the token expires.
+up to ``rollout.harness.timeout``. Then, however the process ended, the trace closes (requests in flight are
+cancelled, later ones get 401), its whole process group is stopped (SIGTERM, ``stop_grace_s``, SIGKILL) and the
+token expires.
 
 Outcomes (a failed one is counted and its rollout *unscored*: reward NaN whatever the sources say, advantage 0,
 left out of its group's mean and std, as reference section e treats unscored completions):
@@ -14,8 +15,9 @@ left out of its group's mean and std, as reference section e treats unscored com
   object with a ``reward`` that is not a number is ``harness/bad_output_count``;
 - timeout: ``harness/timeout_count``; non-zero exit or a signal: ``harness/exit_failure_count`` (the tail of
   its standard error is logged, for the first few);
-- it exited while requests of its own were still being served: ``harness/late_request_count`` (they are
-  cancelled; requests after that get 401);
+- it exited while requests of its own were still being served, or processes it left behind sent requests
+  after it exited: ``harness/late_request_count`` (in-flight ones are cancelled, later ones get 401 and are
+  also ``harness/unauthorized_count``);
 - the policy server failed under it: the error is raised (the run stops, as for any rollout).
 
 Every process a harness leaves behind in its group is stopped with it. Harnesses also die with the rollout
@@ -41,7 +43,7 @@ from asyncgrpo_cli.errors import UserError
 from asyncgrpo_cli.metrics.reducer import MetricWindow
 from asyncgrpo_cli.parent_watch import die_with_parent
 from asyncgrpo_cli.rollout.harness.proxy import RecordingProxy
-from asyncgrpo_cli.rollout.harness.trace import trace_rollout
+from asyncgrpo_cli.rollout.harness.trace import Trace, trace_rollout
 from asyncgrpo_cli.samples import Rollout
 
 log = logging.getLogger(__name__)
@@ -224,15 +226,16 @@ class HarnessRunner:
             trace = self.proxy.traces.open()
             t0 = time.monotonic()
             try:
-                outcome = await self._run_process(row, trace.token)
+                outcome = await self._run_process(row, trace)
             finally:
-                late = self.proxy.traces.close(trace)
+                self.proxy.traces.close(trace)
             self.metrics.add("harness/duration_s", time.monotonic() - t0)
         if trace.server_error is not None:
             raise trace.server_error
+        late = trace.late_requests
         if late and outcome.unscored is None:
             self.metrics.add("harness/late_request_count", late)
-            outcome.unscored = f"exited with {late} request(s) in flight"
+            outcome.unscored = f"{late} request(s) in flight at its exit or sent after it"
         rollout = trace_rollout(trace)
         rollout.reward = outcome.reward
         rollout.unscored = outcome.unscored
@@ -241,14 +244,14 @@ class HarnessRunner:
             self.metrics.add(name, 0.0)
         return rollout
 
-    async def _run_process(self, row: dict[str, Any], token: str) -> Outcome:
+    async def _run_process(self, row: dict[str, Any], trace: Trace) -> Outcome:
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self.command,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
-                env=self.environment(token),
+                env=self.environment(trace.token),
                 cwd=self.cfg.cwd or None,
                 start_new_session=True,
                 preexec_fn=die_with_parent(),
@@ -267,6 +270,7 @@ class HarnessRunner:
             await self._feed(proc, row, self.cfg.timeout)
             timed_out = not await wait_exit(proc, max(0.0, deadline - time.monotonic()))
         finally:
+            trace.close()  # before its leftovers are stopped: what they send now is refused and counted
             await stop_group(pgid, self.cfg.stop_grace_s)
             self.groups.live.discard(pgid)
             await wait_exit(proc, self.cfg.stop_grace_s + 1.0)  # SIGKILL was sent

@@ -43,7 +43,8 @@ class Trace:
     inflight: set[asyncio.Task] = field(default_factory=set)
     closed: bool = False
     late_requests: int = 0
-    """Requests still in flight when the harness exited (cancelled): the harness left before its answers."""
+    """Requests still in flight when the harness exited (cancelled: it left before its answers), plus requests
+    refused because they came after (from processes it left behind, before they were stopped)."""
     server_error: BaseException | None = None
     """A failure of the policy server while serving this rollout (re-raised by the runner: the run stops, as
     the tool loop's would)."""
@@ -66,7 +67,9 @@ class Trace:
         self.last_text = text
 
     def close(self) -> int:
-        """Stop accepting requests; cancel those in flight (returns how many were)."""
+        """Stop accepting requests; cancel those in flight (returns how many were; 0 once closed)."""
+        if self.closed:
+            return 0
         self.closed = True
         pending = [t for t in self.inflight if not t.done()]
         for t in pending:

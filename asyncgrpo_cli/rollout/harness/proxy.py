@@ -267,7 +267,8 @@ class RecordingProxy:
     ) -> TurnRecord:
         """Sample one turn; ``param`` is the field a too-long prompt is refused under (messages / prompt)."""
         budget = self._budget(len(prompt_ids), max_tokens, explicit, param)
-        if trace.closed:  # the harness exited while this request's body was read
+        if trace.closed:  # the harness exited (this request came from a process it left, or was being read)
+            trace.request_after_exit()
             raise api.Rejected(
                 None, "the rollout ended before this request was served.", status=401, code="expired_api_key"
             )

@@ -3,8 +3,9 @@
 For a rollout the runner opens a trace on the proxy (a fresh bearer token), starts ``command`` in a new
 session (its own process group) with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``ASYNCGRPO_MODEL`` and
 ``rollout.harness.env``, writes the dataset row as one JSON line on its standard input and closes it, and waits
-up to ``rollout.harness.timeout``. Then, however the process ended, its whole process group is stopped (SIGTERM,
-``stop_grace_s``, SIGKILL) and the token expires.
+up to ``rollout.harness.timeout``. Then, however the process ended, the trace closes (requests in flight are
+cancelled, later ones get 401), its whole process group is stopped (SIGTERM, ``stop_grace_s``, SIGKILL) and the
+token expires.
 
 Outcomes (a failed one is counted and its rollout *unscored*: reward NaN whatever the sources say, advantage 0,
 left out of its group's mean and std, as reference section e treats unscored completions):
@@ -58,6 +59,7 @@ FAILURE_COUNTS = (
 )
 READER_GRACE_S = 2.0
 """How long the output readers may outlive the process group (a process that left the group holds the pipes)."""
+EXIT_POLL_S = 0.02
 
 
 def row_json(row: dict[str, Any]) -> str:
@@ -173,6 +175,18 @@ async def stop_group(pgid: int, grace_s: float) -> None:
     _signal_group(pgid, signal.SIGKILL)
 
 
+async def wait_exit(proc: asyncio.subprocess.Process, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for the process itself to exit (False: it still runs). Not
+    ``Process.wait()``: that also waits until its stdout and stderr pipes close, which a process it left
+    behind holds open."""
+    deadline = time.monotonic() + timeout
+    while proc.returncode is None:
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(EXIT_POLL_S)
+    return True
+
+
 class HarnessRunner:
     """Runs ``rollout.harness.command`` per rollout against a :class:`RecordingProxy`."""
 
@@ -222,7 +236,7 @@ class HarnessRunner:
             raise trace.server_error
         late = trace.late_requests
         if late and outcome.unscored is None:
-            outcome.unscored = f"left {late} request(s) unanswered or sent them after it exited"
+            outcome.unscored = f"{late} request(s) in flight at its exit or sent after it"
         rollout = trace_rollout(trace)
         rollout.reward = outcome.reward
         rollout.unscored = outcome.unscored
@@ -256,19 +270,12 @@ class HarnessRunner:
         deadline = time.monotonic() + self.cfg.timeout
         try:
             await self._feed(proc, row, self.cfg.timeout)
-            try:
-                await asyncio.wait_for(proc.wait(), max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                timed_out = True
+            timed_out = not await wait_exit(proc, max(0.0, deadline - time.monotonic()))
         finally:
             self.proxy.traces.close(trace)  # its token expires the moment it exits (or times out)
             await stop_group(pgid, self.cfg.stop_grace_s)
             self.groups.live.discard(pgid)
-            if proc.returncode is None:
-                try:
-                    await asyncio.wait_for(proc.wait(), self.cfg.stop_grace_s + 1.0)
-                except asyncio.TimeoutError:  # pragma: no cover - SIGKILL was sent
-                    pass
+            await wait_exit(proc, self.cfg.stop_grace_s + 1.0)  # SIGKILL was sent
             stdout = await out.finish(READER_GRACE_S)
             stderr = await err.finish(READER_GRACE_S)
         if self._closing:

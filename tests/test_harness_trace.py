@@ -193,7 +193,16 @@ def test_chat_prompt_is_the_first_request_and_completion_what_the_last_added():
     trace.record_chat(t2, [*first, CALLED, RESULT], ANSWER, "It is 12.")
     rollout = trace_rollout(trace)
     assert rollout.prompt == first
-    assert rollout.completion == [CALLED, RESULT, ANSWER]
+    called = {
+        **CALLED,
+        "tool_calls": [
+            {**CALLED["tool_calls"][0], "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}
+        ],
+    }
+    assert rollout.completion == [called, RESULT, ANSWER]  # arguments as data, as in tool-loop completions
+    assert (
+        CALLED["tool_calls"][0]["function"]["arguments"] == '{"a": 3, "b": 4}'
+    )  # the trace's copy untouched
     assert rollout.completion_ids == [10, EOS, 12, EOS]
     assert (rollout.reward, rollout.unscored) == (None, None)  # the runner's to set
 

@@ -208,11 +208,11 @@ def _template_call(call: Any, where: str) -> dict[str, Any]:
         )
     return {
         "type": "function",
-        "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments"))},
+        "function": {"name": fn["name"], "arguments": arguments_data(fn.get("arguments"))},
     }
 
 
-def _arguments(value: Any) -> Any:
+def arguments_data(value: Any) -> Any:
     """Arguments as data (a JSON string decoded), which is what the templates render."""
     if isinstance(value, str):
         try:
@@ -364,7 +364,7 @@ def reply_key(message: dict[str, Any]) -> str:
     for c in message.get("tool_calls") or []:
         fn = c.get("function") if isinstance(c, dict) else None
         if isinstance(fn, dict):
-            calls.append([fn.get("name"), _arguments(fn.get("arguments"))])
+            calls.append([fn.get("name"), arguments_data(fn.get("arguments"))])
     content = message.get("content")
     text = content if isinstance(content, str) else ""
     return json.dumps([text.strip(), calls], sort_keys=True, ensure_ascii=False, default=str)
@@ -502,3 +502,29 @@ def sse(events: list[dict[str, Any]]) -> bytes:
     lines = [f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events]
     lines.append("data: [DONE]\n\n")
     return "".join(lines).encode("utf-8")
+
+
+def with_argument_data(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with every tool call's ``arguments`` as data, the shape the tool loop's completions have
+    (reward functions read one shape); other fields as they are."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if calls:
+            m = {
+                **m,
+                "tool_calls": [
+                    {
+                        **c,
+                        "function": {
+                            **c["function"],
+                            "arguments": arguments_data(c["function"].get("arguments")),
+                        },
+                    }
+                    if isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    else c
+                    for c in calls
+                ],
+            }
+        out.append(m)
+    return out

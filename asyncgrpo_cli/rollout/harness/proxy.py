@@ -266,12 +266,12 @@ class RecordingProxy:
         self, trace: Trace, prompt_ids: list[int], max_tokens: int, explicit: bool, param: str
     ) -> TurnRecord:
         """Sample one turn; ``param`` is the field a too-long prompt is refused under (messages / prompt)."""
-        budget = self._budget(len(prompt_ids), max_tokens, explicit, param)
         if trace.closed:  # the harness exited (this request came from a process it left, or was being read)
             trace.request_after_exit()
             raise api.Rejected(
                 None, "the rollout ended before this request was served.", status=401, code="expired_api_key"
             )
+        budget = self._budget(len(prompt_ids), max_tokens, explicit, param)
         task = asyncio.create_task(self.policy.generate(prompt_ids, budget))
         trace.inflight.add(task)
         try:

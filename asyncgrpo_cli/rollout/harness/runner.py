@@ -163,6 +163,29 @@ def _signal_group(pgid: int, sig: int) -> bool:
         return False
 
 
+def group_running(pgid: int) -> bool:
+    """Whether a process of the group still runs. A group holding only zombies counts as done: their parent
+    (or an init that does not reap, as in some containers) collects them, but signals still reach a zombie
+    group, so ``killpg(pgid, 0)`` alone would hold every leftover harness for the whole grace. Linux reads
+    ``/proc``; elsewhere the signal test decides."""
+    if not _signal_group(pgid, 0):
+        return False
+    if not os.path.isdir("/proc/self"):
+        return True
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp ...
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
+
+
 async def stop_group(pgid: int, grace_s: float) -> None:
     """SIGTERM the group, wait up to ``grace_s`` for it to empty, then SIGKILL what is left."""
     if not _signal_group(pgid, signal.SIGTERM):
@@ -170,7 +193,7 @@ async def stop_group(pgid: int, grace_s: float) -> None:
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-        if not _signal_group(pgid, 0):
+        if not group_running(pgid):
             return
     _signal_group(pgid, signal.SIGKILL)
 

@@ -13,7 +13,8 @@ as the tool loop renders its own replies. An agent that edits a reply gets its e
 
 What reward functions see: ``Rollout.prompt`` is the first chat request's messages as sent, and
 ``Rollout.completion`` what the last chat request added after them, plus the reply to it (the agent's final
-conversation; all of the last request's messages when it does not start with the first's). A harness that only
+conversation; all of the last request's messages when it does not start with the first's); tool calls'
+``arguments`` are data there (JSON strings decoded), as in the tool loop's completions. A harness that only
 used ``/v1/completions`` gets the row's prompt and ``[{"role": "assistant", "content": <last completion text>}]``.
 """
 
@@ -24,7 +25,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncgrpo_cli.rollout.harness.openai_api import reply_key
+from asyncgrpo_cli.rollout.harness.openai_api import reply_key, with_argument_data
 from asyncgrpo_cli.samples import Rollout, TurnRecord
 
 
@@ -109,8 +110,8 @@ def trace_rollout(trace: Trace) -> Rollout:
     if trace.conversation is not None:
         first = trace.first_messages or []
         conv = trace.conversation
-        prompt = list(first)
-        completion = list(conv[len(first) :]) if conv[: len(first)] == first else list(conv)
+        prompt = with_argument_data(first)
+        completion = with_argument_data(conv[len(first) :] if conv[: len(first)] == first else conv)
     elif trace.last_text is not None:
         completion = [{"role": "assistant", "content": trace.last_text}]
     else:

@@ -20,14 +20,19 @@ import openai
 import pytest
 from openai import OpenAI
 
-from asyncgrpo_cli.model.tiny import build_tiny_tokenizer
-from asyncgrpo_cli.rollout.agent.templates import choose_chat_template
 from asyncgrpo_cli.rollout.agent.tool_calls import ParsedReply, ToolCall
 from asyncgrpo_cli.rollout.harness import openai_api as api
 from asyncgrpo_cli.rollout.harness.trace import trace_rollout
 from asyncgrpo_cli.rollout.sequences import rollout_to_sequences
 from tests.helpers.fake_server import token_logprob
-from tests.helpers.harness_policy import MAX_COMPLETION_LENGTH, SERVED_MODEL, TEMPERATURE, ProxyRig, Replies
+from tests.helpers.harness_policy import (
+    MAX_COMPLETION_LENGTH,
+    SERVED_MODEL,
+    TEMPERATURE,
+    ProxyRig,
+    Replies,
+    training_tokenizer,
+)
 
 QUESTION = [{"role": "user", "content": "What is 3 times 4?"}]
 TOOLS = [
@@ -55,9 +60,7 @@ CALL = call("multiply", a=3, b=4)
 
 @pytest.fixture(scope="module")
 def tok():
-    tokenizer = build_tiny_tokenizer()
-    tokenizer.chat_template = choose_chat_template(tokenizer, {}, False).template
-    return tokenizer
+    return training_tokenizer()
 
 
 @pytest.fixture

@@ -32,8 +32,6 @@ import pytest
 from asyncgrpo_cli.config.harness import HarnessConfig
 from asyncgrpo_cli.errors import UserError
 from asyncgrpo_cli.metrics.reducer import MetricWindow
-from asyncgrpo_cli.model.tiny import build_tiny_tokenizer
-from asyncgrpo_cli.rollout.agent.templates import choose_chat_template
 from asyncgrpo_cli.rollout.agent.tool_calls import HermesToolCallParser
 from asyncgrpo_cli.rollout.client import CompletionClient, SamplingParams
 from asyncgrpo_cli.rollout.harness.openai_api import RunSampling
@@ -45,6 +43,7 @@ from asyncgrpo_cli.rollout.scorers.grpo import GroupScorer
 from asyncgrpo_cli.rollout.sequences import rollout_to_sequences
 from asyncgrpo_cli.samples import Rollout, RolloutGroup, TurnRecord
 from tests.helpers.fake_server import FakeVllmServer
+from tests.helpers.harness_policy import training_tokenizer
 
 SCRIPT = str(Path(__file__).parent / "helpers" / "harness_agents.py")
 REPLY_1 = "The answer is 4."
@@ -74,9 +73,7 @@ def reward_of(text: str) -> float:
 
 @pytest.fixture(scope="module")
 def tok():
-    tokenizer = build_tiny_tokenizer()
-    tokenizer.chat_template = choose_chat_template(tokenizer, {}, False).template
-    return tokenizer
+    return training_tokenizer()
 
 
 @pytest.fixture

@@ -24,12 +24,22 @@ from typing import Any
 
 from asyncgrpo_cli.config.harness import HarnessConfig
 from asyncgrpo_cli.metrics.reducer import MetricWindow
+from asyncgrpo_cli.model.tiny import build_tiny_tokenizer
+from asyncgrpo_cli.rollout.agent.templates import choose_chat_template
 from asyncgrpo_cli.rollout.client import CompletionClient, SamplingParams
 from asyncgrpo_cli.rollout.harness.proxy import RecordingProxy
 from asyncgrpo_cli.rollout.harness.runner import build_harness
 from asyncgrpo_cli.rollout.harness.trace import Trace
 from asyncgrpo_cli.samples import TurnRecord
 from tests.helpers.fake_server import FakeVllmServer
+
+
+def training_tokenizer() -> Any:
+    """The tiny tokenizer with the ChatML training template a run with tools or a harness swaps in."""
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = choose_chat_template(tokenizer, {}, False).template
+    return tokenizer
+
 
 SERVED_MODEL = "policy"
 TEMPERATURE = 1.0

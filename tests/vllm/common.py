@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -68,3 +72,41 @@ def launched(vllm_python: str, model_dir: Path, run_dir: Path, **settings: Any) 
         yield be
     finally:
         be.stop()
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def train_on_vllm(run: Path, vllm_python: str, *overrides: str, steps: int = 2) -> list[dict]:
+    """``asyncgrpo train ... server=vllm_launch`` for ``steps`` steps in a subprocess; checks rc 0, that every
+    weight sync took, that trained tokens reached every step and that no vLLM process outlives the run; returns
+    the metrics.jsonl rows."""
+    args = [
+        sys.executable,
+        "-m",
+        "asyncgrpo_cli",
+        "train",
+        *overrides,
+        *vllm_launch_overrides(vllm_python),
+        f"trainer.max_steps={steps}",
+        "trainer.save_steps=0",
+        "logging.console=plain",
+        f"hydra.run.dir={run}",
+    ]
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
+    log = run / "vllm_server.log"
+    assert out.returncode == 0, out.stderr[-4000:] + (log.read_text()[-3000:] if log.is_file() else "")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)) and rows[-1]["model_version"] == steps
+    gaps = [r["sync/logprob_gap"] for r in rows if "sync/logprob_gap" in r]
+    assert len(gaps) == steps and max(gaps) < 1e-3, gaps  # every sync took
+    pids = vllm_pids(log)
+    assert len(pids) >= 2 and not [p for p in pids if running(p)], "vLLM processes outlived the run"
+    for r in rows:
+        assert r["batch/trained_tokens_per_step"] > 0
+    return rows

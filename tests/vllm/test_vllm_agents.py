@@ -19,53 +19,14 @@ Both check that weight syncs took (``sync/logprob_gap``) and that no vLLM proces
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from asyncgrpo_cli.rollout.sequences import common_prefix_len
-from tests.vllm.common import running, vllm_launch_overrides, vllm_pids
+from tests.vllm.common import train_on_vllm
 
 pytestmark = pytest.mark.vllm
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def train_on_vllm(run: Path, vllm_python: str, *overrides: str) -> list[dict]:
-    """``asyncgrpo train ... server=vllm_launch`` for 2 steps; checks rc 0, the syncs and the server's exit, and
-    returns the metrics.jsonl rows."""
-    args = [
-        sys.executable,
-        "-m",
-        "asyncgrpo_cli",
-        "train",
-        *overrides,
-        *vllm_launch_overrides(vllm_python),
-        "trainer.max_steps=2",
-        "trainer.save_steps=0",
-        "logging.console=plain",
-        f"hydra.run.dir={run}",
-    ]
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    out = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
-    log = run / "vllm_server.log"
-    assert out.returncode == 0, out.stderr[-4000:] + (log.read_text()[-3000:] if log.is_file() else "")
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["model_version"] == 2
-    gaps = [r["sync/logprob_gap"] for r in rows if "sync/logprob_gap" in r]
-    assert len(gaps) == 2 and max(gaps) < 1e-3, gaps  # every sync took
-    pids = vllm_pids(log)
-    assert len(pids) >= 2 and not [p for p in pids if running(p)], "vLLM processes outlived the run"
-    for r in rows:
-        assert r["batch/trained_tokens_per_step"] > 0
-    return rows
 
 
 def with_rollout_metrics(rows: list[dict]) -> list[dict]:

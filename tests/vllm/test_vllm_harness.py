@@ -17,57 +17,27 @@ build lacks (``test_vllm_sampling_mask.py``), so on this host that path runs onl
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests.vllm.common import running, vllm_launch_overrides, vllm_pids
+from tests.vllm.common import train_on_vllm
 
 pytestmark = pytest.mark.vllm
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 
 
 def test_calculator_harness_trains_on_vllm(tmp_path, vllm_python):
-    run = tmp_path / "run"
-    args = [
-        sys.executable,
-        "-m",
-        "asyncgrpo_cli",
-        "train",
+    rows = train_on_vllm(
+        tmp_path / "run",
+        vllm_python,
         "+recipe=tiny",
         "rollout.harness.command=[python,-m,asyncgrpo_cli.harnesses.calculator_agent]",
         "rollout.harness.timeout=300",
-        *vllm_launch_overrides(vllm_python),
         "server.vllm_launch.max_model_len=2048",  # the tools block of the rendered prompt is ~900 tokens
         "packing.token_budget=4096",
-        f"trainer.max_steps={STEPS}",
-        "trainer.save_steps=0",
-        "logging.console=plain",
-        f"hydra.run.dir={run}",
-    ]
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    out = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
-    log = run / "vllm_server.log"
-    assert out.returncode == 0, out.stderr[-4000:] + (log.read_text()[-3000:] if log.is_file() else "")
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)) and rows[-1]["model_version"] == STEPS
-    gaps = [r["sync/logprob_gap"] for r in rows if "sync/logprob_gap" in r]
-    assert len(gaps) == STEPS and max(gaps) < 1e-3, gaps  # every sync took
-    pids = vllm_pids(log)
-    assert len(pids) >= 2 and not [p for p in pids if running(p)], "vLLM processes outlived the run"
-
+        steps=STEPS,
+    )
     for r in rows:
-        assert r["batch/trained_tokens_per_step"] > 0
         assert 0.8 < r["sampling/importance_sampling_ratio/mean"] < 1.25, r
     # Samples of the version being trained: the trainer's log-probs of the recorded tokens are vLLM's sampler
     # log-probs of them (float32 on both sides). Later steps train on samples one or two versions old, whose

@@ -387,6 +387,19 @@ def chat_logprobs(tokens: list[str], lps: list[float], tops: list[dict[str, floa
     return {"content": content}
 
 
+def _answer(
+    prefix: str, kind: str, model: str, choice: dict[str, Any], n_prompt: int, n_completion: int
+) -> dict[str, Any]:
+    return {
+        "id": new_id(prefix),
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, **choice}],
+        "usage": usage(n_prompt, n_completion),
+    }
+
+
 def chat_response(
     request_model: str,
     message: dict[str, Any],
@@ -395,14 +408,8 @@ def chat_response(
     n_completion: int,
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    return {
-        "id": new_id("chatcmpl"),
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": request_model,
-        "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": logprobs}],
-        "usage": usage(n_prompt, n_completion),
-    }
+    choice = {"message": message, "finish_reason": reason, "logprobs": logprobs}
+    return _answer("chatcmpl", "chat.completion", request_model, choice, n_prompt, n_completion)
 
 
 def chat_stream_events(response: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
@@ -442,14 +449,8 @@ def completion_response(
     n_completion: int,
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    return {
-        "id": new_id("cmpl"),
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": request_model,
-        "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}],
-        "usage": usage(n_prompt, n_completion),
-    }
+    choice = {"text": text, "finish_reason": reason, "logprobs": logprobs}
+    return _answer("cmpl", "text_completion", request_model, choice, n_prompt, n_completion)
 
 
 def completion_logprobs(

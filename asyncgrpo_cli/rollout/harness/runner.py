@@ -183,12 +183,15 @@ class HarnessRunner:
         self.groups = ProcessGroups()
         self._slots = asyncio.Semaphore(max(1, max_concurrent))
         self._logged = 0
+        self._closing = False
+        """Set by close(): harnesses still running were stopped with the run, not failed."""
 
     async def start(self) -> None:
         await self.proxy.start()
         self.groups.install_sigterm()
 
     async def close(self) -> None:
+        self._closing = True
         self.groups.kill_all()
         self.groups.restore_sigterm()
         await self.proxy.close()
@@ -266,6 +269,8 @@ class HarnessRunner:
                     pass
             stdout = await out.finish(READER_GRACE_S)
             stderr = await err.finish(READER_GRACE_S)
+        if self._closing:  # killed by close() at the run's end: neither counted nor logged as a failure
+            return Outcome(unscored="stopped with the run")
         if timed_out:
             self.metrics.add("harness/timeout_count", 1)
             self._log_failure(f"ran past rollout.harness.timeout={self.cfg.timeout:g}s", stderr)

@@ -13,8 +13,8 @@ Three runs, each shared by the assertions about it:
   the helper's ``exit3`` mode, one request then exit 3, the rest ``two-turn``): the run still finishes, the failures are
   counted and their rollouts unscored, and no harness process outlives it.
 
-Config mistakes fail before any rollout: a harness beside ``rollout.tools`` before anything starts, a program
-that does not exist at startup, both naming ``rollout.harness.command``. Rules: nothing is mocked; every process
+Config mistakes fail before any server starts, naming ``rollout.harness.command``: a harness beside
+``rollout.tools``, a program or a python script that does not exist. Rules: nothing is mocked; every process
 a test starts is a subprocess it waits for (the run stops its own server and harnesses, which is checked).
 """
 
@@ -146,6 +146,7 @@ def test_the_built_in_agent_trains_on_the_tiny_recipe(calculator_run):
         assert all(r["rollout/turns_max"] == 1 for r in run.with_rollouts)
         assert all(r["rollout/samples_per_rollout"] == 1 for r in run.with_rollouts)
     assert "agents: harness python -m asyncgrpo_cli.harnesses.calculator_agent" in run.log
+    assert "its rollout is unscored" not in run.log  # the harnesses the run's end stops did not fail
 
 
 def test_a_two_turn_harness_on_harness_tiny(two_turn_run):
@@ -158,6 +159,7 @@ def test_a_two_turn_harness_on_harness_tiny(two_turn_run):
         assert 1 <= r["rollout/samples_per_rollout"] <= 2
         assert r["harness/exit_failure_count"] == 0 and r["harness/timeout_count"] == 0
         assert r["harness/unscored_count"] == 0
+    assert "its rollout is unscored" not in run.log
     # The reward line ((len % 3) / 2, so 0, 0.5 or 1) is summed with the digits reward (in [0, 1]).
     rewards = run.seen("reward")
     digits = run.seen("rewards/digits/mean")
@@ -205,12 +207,27 @@ def test_a_harness_beside_tools_fails_before_anything_starts(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "rollout.harness.command runs its own agent loop" in proc.stderr
     assert "leave rollout.tools and rollout.environment_factory empty" in proc.stderr
-    assert "server probe" not in proc.stderr and not metrics(run)
+    assert "server probe" not in proc.stdout + proc.stderr and not metrics(run)
 
 
-def test_a_missing_harness_program_fails_at_startup(tmp_path):
+@pytest.mark.parametrize(
+    "command,message",
+    [
+        (
+            "[no-such-agent-program]",
+            "rollout.harness.command: 'no-such-agent-program' is not an executable program",
+        ),
+        (
+            "[python,no_such_agent.py]",
+            "rollout.harness.command: the script 'no_such_agent.py' does not exist",
+        ),
+    ],
+)
+def test_a_missing_harness_program_fails_at_startup(tmp_path, command, message):
+    """Before any server starts; not a run whose every rollout fails (unscored: it would never train)."""
     run = tmp_path / "run"
-    proc = launch(run, "+recipe=harness_tiny", "rollout.harness.command=[no-such-agent-program]", timeout=120)
+    proc = launch(run, "+recipe=harness_tiny", f"rollout.harness.command={command}", timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "rollout.harness.command: 'no-such-agent-program' is not an executable program" in proc.stderr
+    assert message in proc.stderr
     assert "Traceback" not in proc.stderr and not metrics(run)
+    assert "server probe" not in proc.stdout + proc.stderr

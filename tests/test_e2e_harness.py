@@ -164,12 +164,6 @@ def test_a_two_turn_harness_on_harness_tiny(two_turn_run):
     rewards = run.seen("reward")
     digits = run.seen("rewards/digits/mean")
     assert sum(rewards) > sum(digits)
-    print(
-        "two-turn fork_frac",
-        run.seen("rollout/fork_frac"),
-        "samples_per_rollout",
-        run.seen("rollout/samples_per_rollout"),
-    )
 
 
 def test_a_flaky_harness_is_counted_and_unscored_and_the_run_finishes(flaky_run):

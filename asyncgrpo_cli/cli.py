@@ -310,6 +310,10 @@ def _check(args: list[str]) -> None:
 
         check_unique(load_tools(list(cfg.rollout.tools)))
         load_environments(cfg.rollout.environment_factory)
+    if cfg.rollout.harness.enabled:  # the program exists and is executable (what train checks at startup)
+        from asyncgrpo_cli.rollout.agent.startup import check_harness_command
+
+        check_harness_command(list(cfg.rollout.harness.command), cfg.rollout.harness.cwd)
     if probe:
         _probe(cfg)
     console.print("[green]config OK[/green]")

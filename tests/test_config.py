@@ -274,3 +274,27 @@ def test_check_prints_the_agents_and_refuses_an_unpicklable_tool():
     assert "tools calculator; environment increment" in " ".join(ok.stdout.split())
     bad = _run_cli("check", "+recipe=tools_tiny", "rollout.tools=[tests.helpers.agent_tools:lambda_tool]")
     assert bad.returncode != 0 and "rollout.tools[0]" in bad.stderr and "lambda" in bad.stderr
+
+
+def test_check_prints_the_harness_without_torch_and_refuses_a_missing_program():
+    code = (
+        "import sys; from asyncgrpo_cli.cli import main\n"
+        "main(['check', '+recipe=harness_tiny'])\n"
+        "bad = [m for m in ('torch', 'transformers', 'vllm') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    wide = {**os.environ, "COLUMNS": "400"}  # the plan table then wraps no path
+    ok = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=wide)
+    assert ok.returncode == 0, ok.stderr
+    out = " ".join(ok.stdout.split())
+    assert (
+        f"python -m asyncgrpo_cli.harnesses.calculator_agent once per rollout (program {sys.executable})"
+        in out
+    )
+    assert "at most 60s each" in out and 'the harness\'s last stdout line {"reward": ...}' in out
+    assert "config OK" in out
+    bad = _run_cli("check", "+recipe=harness_tiny", "rollout.harness.command=[no-such-agent-program]")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "rollout.harness.command: 'no-such-agent-program' is not an executable program" in bad.stderr
+    both = _run_cli("check", "+recipe=harness_tiny", "rollout.tools=[calculator]")
+    assert both.returncode == 2 and "leave rollout.tools and rollout.environment_factory empty" in both.stderr

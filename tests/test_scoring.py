@@ -283,3 +283,16 @@ def test_signal_watch_warns_once_per_window_when_nearly_every_group_is_dropped(c
         assert watch.warnings == 2
     assert "9 of the last 10 groups had rewards without variance" in caplog.text
     assert "Their mean reward is 1 (the best possible" in caplog.text
+
+
+def test_signal_watch_names_unscored_groups_when_none_was_scored(caplog):
+    """Every rollout unscored (a harness that always fails): the warning says so, not 'mean reward undefined'."""
+    from asyncgrpo_cli.rollout.scorers.grpo import SignalWatch
+
+    watch = SignalWatch(window=4, frac=0.9)
+    with caplog.at_level("WARNING", logger="asyncgrpo_cli.rollout.scorers.grpo"):
+        for _ in range(4):
+            watch.observe(True, float("nan"))
+    assert watch.warnings == 1
+    assert "4 of the last 4 groups had no scored rollout" in caplog.text
+    assert "a harness that fails every time: harness/*" in caplog.text and "mean reward" not in caplog.text

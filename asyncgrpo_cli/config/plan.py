@@ -81,6 +81,7 @@ def plan_lines(cfg: RootConfig) -> list[tuple[str, str]]:
             else [_grpo_rewards(cfg), _grpo_loss(cfg, eps_high)]
         ),
         *([_agents_line(cfg)] if ro.has_agents else []),
+        *([_harness_line(cfg)] if ro.harness.enabled else []),
         (
             "staleness",
             f"max_staleness={ro.max_staleness}: generation held to {max(ro.max_staleness, 1)} step(s) "
@@ -99,6 +100,8 @@ def _grpo_rewards(cfg: RootConfig) -> tuple[str, str]:
     sources = [str(f) for f in cfg.rewards.funcs]
     if cfg.rollout.environment_factory:
         sources.append("the environments' get_reward()")
+    if cfg.rollout.harness.enabled:
+        sources.append('the harness\'s last stdout line {"reward": ...}')
     return ("rewards", ", ".join(sources) + " (summed, weight 1)")
 
 
@@ -121,6 +124,29 @@ def _agents_line(cfg: RootConfig) -> tuple[str, str]:
         f"tools {', '.join(ro.tools) or 'none'}{envs}; multi-turn, {rounds}, {ro.tool_call_format} tool calls, "
         f"each call at most {ro.tool_timeout_s:g}s; chat template checked for prefix preservation at start "
         f"({'fail' if ro.require_prefix_preserving_template else 'warn'})",
+    )
+
+
+def _harness_line(cfg: RootConfig) -> tuple[str, str]:
+    """What runs per rollout under ``rollout.harness``, and which program that is (``cli._check`` then fails
+    when it does not exist, as ``train`` would at startup)."""
+    import shutil
+
+    from asyncgrpo_cli.config.harness import resolve_command
+
+    h = cfg.rollout.harness
+    command = " ".join(h.command)
+    program = resolve_command(list(h.command))[0]  # python / python3: this interpreter
+    if os.sep not in program:
+        program = shutil.which(program) or f"{program!r} (not on PATH)"
+    return (
+        "harness",
+        f"{command} once per rollout (program {program}"
+        f"{f', cwd {h.cwd}' if h.cwd else ''}), at most {h.timeout:g}s each, then its process group is stopped "
+        f"(SIGTERM, {h.stop_grace_s:g}s, SIGKILL); the row as JSON on stdin, OPENAI_BASE_URL / OPENAI_API_KEY / "
+        f"ASYNCGRPO_MODEL point at the recording proxy (loopback)"
+        + (f"; env {', '.join(sorted(map(str, h.env)))}" if h.env else "")
+        + "; a failed or timed-out harness's rollout is unscored",
     )
 
 

@@ -87,6 +87,11 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
             run_dir.mkdir(parents=True, exist_ok=True)
         seed_everything(tr.seed)
         registry.load_user_plugins()
+        # A harness program that does not exist fails before any server starts (a vLLM launch takes minutes).
+        if cfg.rollout.harness.enabled:
+            from asyncgrpo_cli.rollout.agent.startup import check_harness_command
+
+            check_harness_command(list(cfg.rollout.harness.command), cfg.rollout.harness.cwd)
 
         resume_path = find_resume_checkpoint(tr.resume, run_dir)
         if tr.resume == "auto" and resume_path is None and info.is_main:

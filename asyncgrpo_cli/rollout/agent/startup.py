@@ -65,11 +65,13 @@ def check_agents(cfg: Any, dataset: Any, tokenizer_path: str) -> str | None:
 
 
 def check_harness_command(command: list[str], cwd: str | None) -> None:
-    """The harness program exists and is executable (``rollout.harness.command``), and ``cwd`` is a directory."""
+    """The harness program exists and is executable (``rollout.harness.command``), ``cwd`` is a directory, and
+    the script of ``[python, script.py, ...]`` exists (a missing one would fail every rollout, and the run would
+    never train)."""
     import os
     import shutil
 
-    from asyncgrpo_cli.config.harness import resolve_command
+    from asyncgrpo_cli.config.harness import PYTHON_ALIASES, resolve_command
 
     program = resolve_command(command)[0]
     if cwd is not None and not os.path.isdir(cwd):
@@ -85,3 +87,12 @@ def check_harness_command(command: list[str], cwd: str | None) -> None:
             f"{' from rollout.harness.cwd' if cwd else ''}); give its path, or start the command with python to "
             "run a script with this interpreter."
         )
+    if command[0] in PYTHON_ALIASES and len(command) > 1 and not command[1].startswith("-"):
+        script = command[1]
+        path = script if os.path.isabs(script) or cwd is None else os.path.join(cwd, script)
+        if not os.path.isfile(path):
+            raise UserError(
+                f"rollout.harness.command: the script {script!r} does not exist (looked for {os.path.abspath(path)}"
+                f"{', from rollout.harness.cwd' if cwd else ''}); give its path, or run a module with [python, -m, "
+                "package.module]."
+            )

@@ -222,6 +222,7 @@ class HarnessRunner:
         self._slots = asyncio.Semaphore(max(1, max_concurrent))
         self._logged = 0
         self._closing = False
+        """Set by close(): harnesses still running were stopped with the run, not failed."""
 
     async def start(self) -> None:
         await self.proxy.start()

@@ -124,13 +124,22 @@ class SignalWatch:
         self._since_warning = 0
         self.warnings += 1
         scored = [r for r in drops if not math.isnan(r)]
+        if not scored:
+            log.warning(
+                "%d of the last %d groups had no scored rollout (every reward NaN or the rollout unscored, e.g. a "
+                "harness that fails every time: harness/*): they give no gradient, and the trainer waits for the "
+                "few that do: stop the run, and fix the rewards or the harness",
+                len(drops),
+                self.window,
+            )
+            return
         log.warning(
             "%d of the last %d groups had rewards without variance (frac_reward_zero_std): they give no gradient, "
-            "and the trainer waits for the few that do. Their mean reward is %s (the best possible: the task is "
+            "and the trainer waits for the few that do. Their mean reward is %.3g (the best possible: the task is "
             "solved; the worst: it is out of reach): stop the run, or change the data or the rewards",
             len(drops),
             self.window,
-            f"{sum(scored) / len(scored):.3g}" if scored else "undefined (none scored)",
+            sum(scored) / len(scored),
         )
 
 

@@ -153,6 +153,7 @@ async def bench(
     max_concurrent: int = 4,
     env: dict[str, str] | None = None,
     command: list[str] | None = None,
+    max_consecutive_failures: int = 32,
 ):
     log = tmp_path / f"{mode}.jsonl"
     metrics = MetricWindow()
@@ -162,6 +163,7 @@ async def bench(
         timeout=timeout,
         env={"HARNESS_AGENTS_LOG": str(log), **(env or {})},
         stop_grace_s=stop_grace_s,
+        max_consecutive_failures=max_consecutive_failures,
     )
     runner = HarnessRunner(cfg, RecordingProxy(policy(tok, client), metrics), metrics, max_concurrent)
     await runner.start()
@@ -441,6 +443,25 @@ def test_a_harness_that_never_reads_stdin_runs_even_on_a_large_row(tmp_path, tok
     assert b.events("start")[0]["row"] is None
     assert_counts(b, 1)
     assert_all_gone(b, 1)
+
+
+def test_consecutive_failures_stop_the_run_naming_the_last_and_a_success_resets_the_count(
+    tmp_path, tok, server
+):
+    async def main():
+        async with bench(tmp_path, tok, server, "exit3", max_consecutive_failures=2) as b:
+            first = await b.run()
+            b.runner.command[-1] = "two-turn"  # a success between failures starts the count again
+            assert (await b.run()).unscored is None
+            b.runner.command[-1] = "exit3"
+            assert (await b.run()).unscored == "exited with status 3"
+            with pytest.raises(
+                UserError, match=r"last 2 harness runs all failed \(the last: exited with status 3"
+            ):
+                await b.run()
+            return first
+
+    assert asyncio.run(main()).unscored == "exited with status 3"  # one failure alone is only unscored
 
 
 def test_close_kills_the_live_harness_groups(tmp_path, tok, server):

@@ -50,6 +50,12 @@ class HarnessConfig:
         5.0, "Seconds between SIGTERM and SIGKILL when a harness's process group is stopped."
     )
 
+    max_consecutive_failures: int = F(
+        32,
+        "Stop the run when this many harness runs in a row failed (timeout, non-zero exit, bad reward line, late "
+        "requests), naming the last failure; 0: never stop (every failed rollout is unscored and counted).",
+    )
+
     @property
     def enabled(self) -> bool:
         return bool(self.command)
@@ -65,6 +71,10 @@ def harness_errors(h: HarnessConfig) -> list[str]:
         )
     if not h.timeout > 0:
         errors.append(f"rollout.harness.timeout must be > 0 seconds, got {h.timeout}.")
+    if h.max_consecutive_failures < 0:
+        errors.append(
+            f"rollout.harness.max_consecutive_failures must be >= 0 (0: never stop), got {h.max_consecutive_failures}."
+        )
     if h.stop_grace_s < 0:
         errors.append(f"rollout.harness.stop_grace_s must be >= 0, got {h.stop_grace_s}.")
     return errors

@@ -20,6 +20,9 @@ left out of its group's mean and std, as reference section e treats unscored com
   after the rollout's group was scored is only counted;
 - the policy server failed under it: the error is raised (the run stops, as for any rollout).
 
+``rollout.harness.max_consecutive_failures`` failed harnesses in a row (default 32) stop the run with the last
+failure and its standard error: a broken agent never leaves the trainer waiting on groups that cannot be scored.
+
 Every process a harness leaves behind in its group is stopped with it. Harnesses also die with the rollout
 process: the direct child is armed with ``PR_SET_PDEATHSIG`` (Linux), and a SIGTERM to the rollout process stops
 every live group first. Output is read as it comes and only its tail is kept (``OUTPUT_TAIL_BYTES``).
@@ -222,6 +225,8 @@ class HarnessRunner:
         self._slots = asyncio.Semaphore(max(1, max_concurrent))
         self._logged = 0
         self._closing = False
+        self._consecutive_failures = 0
+        self._last_stderr = ""
         """Set by close(): harnesses still running were stopped with the run, not failed."""
 
     async def start(self) -> None:
@@ -266,6 +271,7 @@ class HarnessRunner:
         rollout.unscored = outcome.unscored
         trace.release(rollout)  # a request that still comes with its token unscores it (until it is scored)
         self.metrics.add("harness/unscored_count", float(outcome.unscored is not None))
+        self._watch_failures(outcome)
         for name in FAILURE_COUNTS:  # every rollout adds to each count, so a run without failures logs zeros
             self.metrics.add(name, 0.0)
         return rollout
@@ -336,11 +342,29 @@ class HarnessRunner:
             except (BrokenPipeError, ConnectionResetError):  # pragma: no cover
                 pass
 
+    def _watch_failures(self, outcome: Outcome) -> None:
+        """Stop the run once ``max_consecutive_failures`` harnesses in a row failed: a broken agent (a bug, a
+        missing dependency, an unreachable sandbox) would otherwise leave every group unscored, and the trainer
+        waiting for samples that never come."""
+        if outcome.unscored is None or self._closing:
+            self._consecutive_failures = 0
+            return
+        self._consecutive_failures += 1
+        limit = self.cfg.max_consecutive_failures
+        if limit and self._consecutive_failures >= limit:
+            raise UserError(
+                f"the last {self._consecutive_failures} harness runs all failed (the last: "
+                f"{outcome.unscored}{'; ' + self._last_stderr if self._last_stderr else ''}): check "
+                f"rollout.harness.command ({' '.join(self.command)}) by running it on one row, or raise "
+                "rollout.harness.max_consecutive_failures (0: never stop)."
+            )
+
     def _log_failure(self, how: str, stderr: bytes) -> None:
+        tail = stderr.decode("utf-8", errors="replace").strip()[-2000:]
+        self._last_stderr = f"its standard error ended with: {tail[-500:]}" if tail else ""
         self._logged += 1
         if self._logged > STDERR_LOGGED:
             return
-        tail = stderr.decode("utf-8", errors="replace").strip()[-2000:]
         log.warning(
             "harness %s %s; its rollout is unscored%s%s",
             " ".join(self.command),

@@ -108,6 +108,7 @@ def policy(tok, client: CompletionClient) -> Policy:
         max_model_len=4096,
         sampling_mask=False,
         served_model="fake",
+        vocab_size=len(tok),
     )
 
 
@@ -412,11 +413,13 @@ def test_a_child_left_behind_using_the_token_gets_401_and_is_killed(tmp_path, to
     b, r = asyncio.run(main())
     statuses = [e["code"] for e in b.events("status")]
     assert statuses and set(statuses) == {401}, b.events()
-    assert b.counts()["harness/unauthorized_count"] == len(statuses)
+    # the child may be killed between the proxy's answer and its logging of it: one answer more at most
+    refused = b.counts()["harness/unauthorized_count"]
+    assert len(statuses) <= refused <= len(statuses) + 1
     assert [t.output_ids for t in r.turns] == [ids(tok, REPLY_1)]  # nothing after the exit was served
-    assert r.unscored == f"{len(statuses)} request(s) in flight at its exit or sent after it"
+    assert r.unscored == f"{int(refused)} request(s) in flight at its exit or sent after it"
     assert r.reward == 1.0  # its reward line is kept, the scorer ignores it
-    assert_counts(b, 1, late_request_count=len(statuses), unscored_count=1)
+    assert_counts(b, 1, late_request_count=refused, unscored_count=1)
     assert_all_gone(b, 2)
 
 

@@ -265,9 +265,9 @@ def test_replies_are_remembered_by_their_key_as_sampled_text():
             {"id": "x", "type": "function", "function": {"name": "multiply", "arguments": '{"b":4,"a":3}'}}
         ],
     }
-    assert trace.raw_text(resent) == raw
-    assert trace.raw_text({**resent, "role": "user"}) is None  # only assistant messages are replies
-    assert trace.raw_text({**resent, "content": "Let me add."}) is None  # an edit is not the reply
+    assert trace.raw_text(resent, {}) == raw
+    assert trace.raw_text({**resent, "role": "user"}, {}) is None  # only assistant messages are replies
+    assert trace.raw_text({**resent, "content": "Let me add."}, {}) is None  # an edit is not the reply
     assert set(trace.replies) == {api.reply_key(answered)}
 
 

@@ -38,6 +38,7 @@ MixedPrecision = Annotated[
 ConsoleMode = Annotated[str, Literal["live", "plain", "auto"]]
 SinkName = Annotated[str, Literal["console", "jsonl", "trackio"]]
 ToolCallFormat = Annotated[str, Literal["hermes"]]
+SamplingMismatch = Annotated[str, Literal["reject", "ignore"]]
 Algorithm = Annotated[
     str, Literal["grpo", "distill"], "grpo runs under `asyncgrpo train`, distill under `asyncgrpo distill`"
 ]

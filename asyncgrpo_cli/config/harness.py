@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from asyncgrpo_cli.config.choices import SamplingMismatch
 from asyncgrpo_cli.config.fields import F
 
 PYTHON_ALIASES = ("python", "python3")
@@ -50,6 +51,13 @@ class HarnessConfig:
         5.0, "Seconds between SIGTERM and SIGKILL when a harness's process group is stopped."
     )
 
+    sampling_mismatch: SamplingMismatch = F(
+        "reject",
+        "A request whose temperature / top_p / top_k / min_p / repetition_penalty / penalties differ from the "
+        "run's sampling.*: reject (HTTP 400 naming the field) or ignore (sampled with the run's settings, "
+        "harness/ignored_field_count; for agents that hard-code temperature=0). n, logit_bias, stop, "
+        "response_format and tool_choice are always refused.",
+    )
     max_consecutive_failures: int = F(
         32,
         "Stop the run when this many harness runs in a row failed (timeout, non-zero exit, bad reward line, late "

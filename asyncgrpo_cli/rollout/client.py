@@ -39,7 +39,11 @@ GENERATE_ROUTE = "/inference/v1/generate"
 
 
 class ServerRequestError(RuntimeError):
-    """The server rejected a request (4xx) or kept failing after every retry."""
+    """The server rejected a request (4xx: ``status``) or kept failing after every retry (``status`` None)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -255,7 +259,8 @@ class CompletionClient:
                 if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
                     raise ServerRequestError(
                         f"{self.base_url}{path} rejected the request (HTTP {resp.status_code}): "
-                        f"{_error_message(resp)}"
+                        f"{_error_message(resp)}",
+                        status=resp.status_code,
                     )
                 err, connection = f"HTTP {resp.status_code}: {_error_message(resp)}", False
             if connection:

@@ -7,8 +7,9 @@ training on tokens sampled under settings other than the run's would bias the im
 
 - more than one choice (``n`` > 1, ``best_of``, a list of prompts);
 - sampling settings that differ from the run's ``sampling.*``: ``temperature``, ``top_p``, ``top_k``,
-  ``min_p``, ``repetition_penalty``; any ``presence_penalty`` / ``frequency_penalty`` other than 0, any
-  ``logit_bias``, ``stop`` strings, ``response_format`` / guided decoding, a ``tool_choice`` other than
+  ``min_p``, ``repetition_penalty``; any ``presence_penalty`` / ``frequency_penalty`` other than 0 (with
+  ``rollout.harness.sampling_mismatch=ignore`` these are ignored instead: the reply is sampled with the run's
+  settings, which trains without bias, and the request's ``ignored`` lists them); any ``logit_bias``, ``stop`` strings, ``response_format`` / guided decoding, a ``tool_choice`` other than
   ``auto`` (``none`` and named functions constrain the sampler);
 - ``echo``, ``suffix``, ``continue_final_message``, non-text message parts (images, audio).
 
@@ -16,7 +17,7 @@ Accepted as given: ``model`` (any name; the answer echoes it), ``max_tokens`` / 
 (capped at ``sampling.max_completion_length``: a shorter cut does not change what is sampled), ``seed``
 (ignored: the run seeds requests), ``logprobs`` / ``top_logprobs`` (answered from the sampler's values),
 ``stream`` (the finished answer as server-sent events), ``chat_template_kwargs`` (vLLM's extension, merged over
-``model.chat_template_kwargs``), ``tools``, ``parallel_tool_calls``, ``user``, ``metadata``, ``store``.
+``model.chat_template_kwargs``; not the keys of ``RESERVED_TEMPLATE_KWARGS``), ``tools``, ``parallel_tool_calls``, ``user``, ``metadata``, ``store``.
 Unknown fields are ignored, as OpenAI clients send extras.
 """
 
@@ -30,6 +31,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncgrpo_cli.rollout.agent.tool_calls import ParsedReply
+
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "chat_template",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "conversation",
+        "messages",
+    }
+)
+"""``chat_template_kwargs`` a request may not set: what the proxy passes itself, or what would swap the template."""
 
 
 class Rejected(Exception):
@@ -59,6 +76,8 @@ class RunSampling:
     min_p: float
     repetition_penalty: float
     max_completion_length: int
+    ignore_mismatch: bool = False
+    """``rollout.harness.sampling_mismatch=ignore``: differing sampler settings are ignored, not refused."""
 
 
 @dataclass
@@ -77,6 +96,8 @@ class ChatRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)
+    """Sampler settings of the request that were ignored (``sampling_mismatch=ignore``)."""
 
 
 @dataclass
@@ -88,6 +109,7 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: int = 0
+    ignored: list[str] = field(default_factory=list)
 
 
 def _same(value: Any, expected: float) -> bool:
@@ -97,13 +119,15 @@ def _same(value: Any, expected: float) -> bool:
         return False
 
 
-def _check_sampling(body: dict[str, Any], run: RunSampling) -> None:
+def _check_sampling(body: dict[str, Any], run: RunSampling) -> list[str]:
+    """Refuse what cannot be served faithfully; returns the sampler settings ignored (``run.ignore_mismatch``)."""
     if body.get("n") not in (None, 1):
         raise Rejected(
             "n", "n must be 1: every sample is one rollout's trace (run G rollouts for G samples)."
         )
     if body.get("best_of") not in (None, 1):
         raise Rejected("best_of", "best_of is not supported: it samples choices the trace would not record.")
+    mismatched: list[tuple[str, str]] = []
     for name, run_value in (
         ("temperature", run.temperature),
         ("top_p", run.top_p),
@@ -112,22 +136,29 @@ def _check_sampling(body: dict[str, Any], run: RunSampling) -> None:
     ):
         v = body.get(name)
         if v is not None and not _same(v, run_value):
-            raise Rejected(
-                name,
-                f"{name}={v} differs from the run's sampling.{name}={run_value}: tokens sampled under other "
-                f"settings would bias training; leave {name} unset or send {run_value}.",
+            mismatched.append(
+                (
+                    name,
+                    f"{name}={v} differs from the run's sampling.{name}={run_value}: tokens sampled under other "
+                    f"settings would bias training; leave {name} unset or send {run_value}",
+                )
             )
     top_k = body.get("top_k")
     off = {-1, 0}  # both mean "no top-k" to vLLM
     if top_k is not None and (top_k in off if run.top_k <= 0 else top_k == run.top_k) is False:
-        raise Rejected(
-            "top_k",
-            f"top_k={top_k} differs from the run's sampling.top_k={run.top_k}; leave top_k unset.",
+        mismatched.append(
+            ("top_k", f"top_k={top_k} differs from the run's sampling.top_k={run.top_k}; leave top_k unset")
         )
     for name in ("presence_penalty", "frequency_penalty"):
         v = body.get(name)
         if v is not None and not _same(v, 0.0):
-            raise Rejected(name, f"{name}={v} is not supported (it changes the sampler); leave it unset.")
+            mismatched.append((name, f"{name}={v} is not supported (it changes the sampler); leave it unset"))
+    if mismatched and not run.ignore_mismatch:
+        name, why = mismatched[0]
+        raise Rejected(
+            name,
+            f"{why} (or set rollout.harness.sampling_mismatch=ignore to sample with the run's settings).",
+        )
     if body.get("logit_bias"):
         raise Rejected("logit_bias", "logit_bias is not supported (it changes the sampler); leave it unset.")
     if body.get("stop"):
@@ -139,13 +170,14 @@ def _check_sampling(body: dict[str, Any], run: RunSampling) -> None:
     for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "structured_outputs"):
         if body.get(name) not in (None, {"type": "text"}):
             raise Rejected(name, f"{name} is not supported: constrained decoding changes the sampler.")
+    return [name for name, _ in mismatched]
 
 
 def _max_tokens(body: dict[str, Any], run: RunSampling) -> tuple[int, bool]:
-    requested = body.get("max_completion_tokens", body.get("max_tokens"))
+    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    requested = body.get(param)
     if requested is None:
         return run.max_completion_length, False
-    param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
         raise Rejected(param, f"{param} must be a positive integer, got {requested!r}.")
     return min(requested, run.max_completion_length), True
@@ -229,7 +261,7 @@ def parse_chat(body: Any, run: RunSampling) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise Rejected("messages", "messages must be a non-empty list.")
-    _check_sampling(body, run)
+    ignored = _check_sampling(body, run)
     if body.get("continue_final_message"):
         raise Rejected("continue_final_message", "continue_final_message is not supported.")
     if body.get("add_generation_prompt") is False:
@@ -253,6 +285,13 @@ def parse_chat(body: Any, run: RunSampling) -> ChatRequest:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise Rejected("chat_template_kwargs", "chat_template_kwargs must be an object.")
+    reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise Rejected(
+            f"chat_template_kwargs.{reserved[0]}",
+            f"chat_template_kwargs.{reserved[0]} is the proxy's to set (the run's training template renders every "
+            "request the same way); send only template variables such as enable_thinking.",
+        )
     top = body.get("top_logprobs") or 0
     if not isinstance(top, int) or not 0 <= top <= 20:
         raise Rejected("top_logprobs", f"top_logprobs must be an integer in [0, 20], got {top!r}.")
@@ -270,6 +309,7 @@ def parse_chat(body: Any, run: RunSampling) -> ChatRequest:
         logprobs=bool(body.get("logprobs")),
         top_logprobs=top,
         template_kwargs=dict(kwargs),
+        ignored=ignored,
     )
 
 
@@ -293,7 +333,7 @@ def parse_completion(body: Any, run: RunSampling) -> CompletionRequest:
             "prompt",
             "prompt must be one non-empty string or one list of token ids (a batch is not supported).",
         )
-    _check_sampling(body, run)
+    ignored = _check_sampling(body, run)
     for name in ("echo", "suffix"):
         if body.get(name):
             raise Rejected(name, f"{name} is not supported.")
@@ -310,6 +350,7 @@ def parse_completion(body: Any, run: RunSampling) -> CompletionRequest:
         stream=stream,
         include_usage=usage,
         logprobs=lp,
+        ignored=ignored,
     )
 
 

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import secrets
 import socket
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -65,6 +67,8 @@ class Policy:
     max_model_len: int
     sampling_mask: bool
     served_model: str
+    vocab_size: int
+    """Token ids a ``/v1/completions`` prompt may hold (``len(tokenizer)``)."""
 
 
 class TraceTable:
@@ -76,7 +80,9 @@ class TraceTable:
         """Tokens of ended rollouts -> their (released) traces, the last ``EXPIRED_TOKENS_KEPT``."""
 
     def open(self) -> Trace:
-        trace = Trace(token=f"agrpo-{secrets.token_urlsafe(24)}")
+        """A new trace; call it from the rollout's task: its requests are sampled in a copy of that task's
+        context (the group's model name under LoRA sync, ``rollout/served_name.py``)."""
+        trace = Trace(token=f"agrpo-{secrets.token_urlsafe(24)}", context=contextvars.copy_context())
         self.active[trace.token] = trace
         return trace
 
@@ -126,6 +132,7 @@ class RecordingProxy:
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/v1/completions", self._completions, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
+                Route("/{path:path}", self._unknown, methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
             ]
         )
 
@@ -174,13 +181,38 @@ class RecordingProxy:
         model = {"id": self.policy.served_model, "object": "model", "created": 0, "owned_by": "asyncgrpo"}
         return JSONResponse({"object": "list", "data": [model]})
 
+    async def _unknown(self, request: Request) -> Response:
+        path = request.url.path
+        hint = (
+            " (the OpenAI Agents SDK and Codex default to the Responses API: switch them to chat completions, "
+            "e.g. agents.set_default_openai_api('chat_completions'))"
+            if path.rstrip("/").endswith("/responses")
+            else ""
+        )
+        return self._refused(
+            api.Rejected(
+                None,
+                f"{request.method} {path} is not served: the proxy serves POST /v1/chat/completions, POST "
+                f"/v1/completions and GET /v1/models{hint}.",
+                status=404,
+                code="unknown_route",
+            )
+        )
+
     async def _chat(self, request: Request) -> Response:
         try:
             trace = self.traces.lookup(request.headers.get("authorization"))
             req = api.parse_chat(await _json(request), self.policy.sampling)
-            messages = [self._as_sampled(trace, m) for m in req.messages]
-            prompt_ids = self.policy.render(messages, req.tools, req.template_kwargs)
+            self._count_ignored(req.ignored)
+            messages = self._as_sampled(trace, req.messages)
+            try:
+                prompt_ids = self.policy.render(messages, req.tools, req.template_kwargs)
+            except Exception as e:  # a template error on these messages: the agent's to fix, not the run's
+                raise api.Rejected(
+                    "messages", f"the chat template cannot render these messages ({type(e).__name__}: {e})."
+                ) from None
             turn = await self._sample(trace, prompt_ids, req.max_tokens, req.explicit_max_tokens, "messages")
+            await self._deliverable(trace, request)
         except api.Rejected as e:
             return self._refused(e)
         text = self.policy.decode(turn.output_ids)
@@ -209,10 +241,18 @@ class RecordingProxy:
         try:
             trace = self.traces.lookup(request.headers.get("authorization"))
             req = api.parse_completion(await _json(request), self.policy.sampling)
+            self._count_ignored(req.ignored)
             prompt_ids = (
                 list(req.prompt) if isinstance(req.prompt, list) else self.policy.tokenize(req.prompt)
             )
+            bad = [t for t in prompt_ids if not 0 <= t < self.policy.vocab_size]
+            if bad:
+                raise api.Rejected(
+                    "prompt",
+                    f"prompt holds token id {bad[0]}, outside the vocabulary [0, {self.policy.vocab_size}).",
+                )
             turn = await self._sample(trace, prompt_ids, req.max_tokens, req.explicit_max_tokens, "prompt")
+            await self._deliverable(trace, request)
         except api.Rejected as e:
             return self._refused(e)
         text = self.policy.decode(turn.output_ids)
@@ -237,6 +277,8 @@ class RecordingProxy:
 
     # ------------------------------------------------------------------ helpers
     def _refused(self, e: api.Rejected) -> Response:
+        if e.code == "disconnected":  # nobody reads this answer
+            return Response(status_code=e.status)
         self.metrics.add(
             "harness/unauthorized_count" if e.status == 401 else "harness/rejected_request_count", 1
         )
@@ -244,9 +286,32 @@ class RecordingProxy:
             self.metrics.add("harness/late_request_count", 1)
         return JSONResponse(e.body(), status_code=e.status)
 
-    def _as_sampled(self, trace: Trace, message: dict[str, Any]) -> dict[str, Any]:
-        raw = trace.raw_text(message)
-        return message if raw is None else {"role": "assistant", "content": raw}
+    def _as_sampled(self, trace: Trace, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Every assistant message this trace answered, as the text that was sampled (``trace.py``)."""
+        seen: dict[str, int] = {}
+        out = []
+        for m in messages:
+            raw = trace.raw_text(m, seen)
+            out.append(m if raw is None else {"role": "assistant", "content": raw})
+        return out
+
+    def _count_ignored(self, ignored: list[str]) -> None:
+        if ignored:
+            self.metrics.add("harness/ignored_field_count", len(ignored))
+
+    async def _deliverable(self, trace: Trace, request: Request) -> None:
+        """After sampling: the answer still has a reader. A harness that exited meanwhile, or a client that hung
+        up (its own timeout; it may retry), did not get this turn, so it is not recorded."""
+        if trace.closed:
+            trace.request_after_exit()
+            raise api.Rejected(
+                None, "the rollout ended while this request was served.", status=401, code="expired_api_key"
+            )
+        if await request.is_disconnected():
+            self.metrics.add("harness/disconnected_request_count", 1)
+            raise api.Rejected(
+                None, "the client disconnected before the answer.", status=499, code="disconnected"
+            )
 
     def _budget(self, prompt_len: int, max_tokens: int, explicit: bool, param: str) -> int:
         room = self.policy.max_model_len - prompt_len
@@ -272,8 +337,9 @@ class RecordingProxy:
                 None, "the rollout ended before this request was served.", status=401, code="expired_api_key"
             )
         budget = self._budget(len(prompt_ids), max_tokens, explicit, param)
-        task = asyncio.create_task(self.policy.generate(prompt_ids, budget))
+        task = trace.context.run(asyncio.create_task, self.policy.generate(prompt_ids, budget))
         trace.inflight.add(task)
+        t0 = time.monotonic()
         try:
             return await task
         except asyncio.CancelledError:
@@ -286,12 +352,22 @@ class RecordingProxy:
                 ) from None
             raise
         except ServerRequestError as e:
+            if e.status is not None and 400 <= e.status < 500:  # this request's fault, not the server's
+                raise api.Rejected(
+                    None, f"the policy server refused this request: {e}", code="upstream_rejected"
+                ) from None
             trace.server_error = e
             raise api.Rejected(
                 None, f"the policy server failed: {e}", status=502, code="upstream_error"
             ) from None
+        except Exception as e:  # the sampling path broke: the run stops with it, as a tool loop's would
+            trace.server_error = e
+            raise api.Rejected(
+                None, f"sampling failed: {type(e).__name__}: {e}", status=502, code="upstream_error"
+            ) from None
         finally:
             trace.inflight.discard(task)
+            trace.sampling_s += time.monotonic() - t0
 
     def _logprobs(
         self, turn: TurnRecord, top: int

@@ -25,7 +25,8 @@ failure and its standard error: a broken agent never leaves the trainer waiting 
 
 Every process a harness leaves behind in its group is stopped with it. Harnesses also die with the rollout
 process: the direct child is armed with ``PR_SET_PDEATHSIG`` (Linux), and a SIGTERM to the rollout process stops
-every live group first. Output is read as it comes and only its tail is kept (``OUTPUT_TAIL_BYTES``).
+every live group first. Standard output and error go to unlinked temporary files, of which only the tails are
+read (``OUTPUT_TAIL_BYTES``). A failure of the policy server under a harness stops it at once (the run stops).
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ import logging
 import math
 import os
 import signal
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +55,7 @@ from asyncgrpo_cli.samples import Rollout
 log = logging.getLogger(__name__)
 
 OUTPUT_TAIL_BYTES = 64 * 1024
+STDERR_TAIL_BYTES = 8 * 1024
 STDERR_LOGGED = 5
 """Failed harnesses whose standard error tail is logged (then only counted)."""
 FAILURE_COUNTS = (
@@ -60,22 +64,31 @@ FAILURE_COUNTS = (
     "harness/late_request_count",
     "harness/bad_output_count",
 )
-READER_GRACE_S = 2.0
-"""How long the output readers may outlive the process group (a process that left the group holds the pipes)."""
 EXIT_POLL_S = 0.02
+LOOPBACK = "127.0.0.1,localhost"
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready: numpy values as lists / numbers, NaN and infinities as null (strict JSON parsers refuse
+    them), dates as ISO strings, anything else unknown as its string."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if hasattr(value, "tolist"):
+        return _plain(value.tolist())
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    return str(value)
 
 
 def row_json(row: dict[str, Any]) -> str:
-    """The dataset row as one JSON line (numpy values as lists / numbers, anything else as its string)."""
-
-    def default(value: Any) -> Any:
-        if hasattr(value, "tolist"):
-            return value.tolist()
-        if hasattr(value, "isoformat"):
-            return value.isoformat()
-        return str(value)
-
-    return json.dumps(row, default=default, ensure_ascii=False) + "\n"
+    """The dataset row as one line of strict JSON (see ``_plain``)."""
+    return json.dumps(_plain(row), ensure_ascii=False, allow_nan=False) + "\n"
 
 
 @dataclass
@@ -104,27 +117,11 @@ def parse_reward(stdout: bytes) -> Outcome:
     return Outcome(reward=float(reward))
 
 
-class _Tail:
-    """Reads a stream to its end, keeping the last ``limit`` bytes."""
-
-    def __init__(self, stream: asyncio.StreamReader | None, limit: int = OUTPUT_TAIL_BYTES):
-        self.data = bytearray()
-        self.limit = limit
-        self.task = asyncio.create_task(self._read(stream)) if stream is not None else None
-
-    async def _read(self, stream: asyncio.StreamReader) -> None:
-        while chunk := await stream.read(65536):
-            self.data += chunk
-            if len(self.data) > 2 * self.limit:
-                del self.data[: len(self.data) - self.limit]
-
-    async def finish(self, timeout: float) -> bytes:
-        if self.task is not None:
-            try:
-                await asyncio.wait_for(self.task, timeout)
-            except (asyncio.TimeoutError, Exception):
-                self.task.cancel()
-        return bytes(self.data[-self.limit :])
+def _tail(f: Any, limit: int) -> bytes:
+    """The last ``limit`` bytes written to the file ``f``."""
+    f.seek(0, os.SEEK_END)
+    f.seek(max(0, f.tell() - limit))
+    return f.read()
 
 
 class ProcessGroups:
@@ -201,13 +198,15 @@ async def stop_group(pgid: int, grace_s: float) -> None:
     _signal_group(pgid, signal.SIGKILL)
 
 
-async def wait_exit(proc: asyncio.subprocess.Process, timeout: float) -> bool:
-    """Wait up to ``timeout`` seconds for the process itself to exit (False: it still runs). Not
-    ``Process.wait()``: that also waits until its stdout and stderr pipes close, which a process it left
-    behind holds open."""
+async def wait_exit(
+    proc: asyncio.subprocess.Process, timeout: float, give_up: Callable[[], bool] = lambda: False
+) -> bool:
+    """Wait up to ``timeout`` seconds for the process itself to exit (False: it still runs, or ``give_up()``
+    became true). Not ``Process.wait()``: with pipes, that also waits until they close, which a process it
+    left behind holds open."""
     deadline = time.monotonic() + timeout
     while proc.returncode is None:
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= deadline or give_up():
             return False
         await asyncio.sleep(EXIT_POLL_S)
     return True
@@ -246,9 +245,15 @@ class HarnessRunner:
             {
                 "OPENAI_BASE_URL": self.proxy.base_url,
                 "OPENAI_API_KEY": token,
+                "OPENAI_API_BASE": self.proxy.base_url,  # what LangChain and litellm read
                 "ASYNCGRPO_MODEL": self.proxy.policy.served_model,
             }
         )
+        for key in (
+            "NO_PROXY",
+            "no_proxy",
+        ):  # an HTTP(S)_PROXY of the cluster must not carry loopback requests
+            env[key] = f"{env[key]},{LOOPBACK}" if env.get(key) else LOOPBACK
         return env
 
     async def run(self, row: dict[str, Any]) -> Rollout:
@@ -261,6 +266,7 @@ class HarnessRunner:
             finally:
                 self.proxy.traces.close(trace)
             self.metrics.add("harness/duration_s", time.monotonic() - t0)
+            self.metrics.add("harness/sampling_s", trace.sampling_s)
         if trace.server_error is not None:
             raise trace.server_error
         late = trace.late_requests
@@ -277,12 +283,18 @@ class HarnessRunner:
         return rollout
 
     async def _run_process(self, row: dict[str, Any], trace: Trace) -> Outcome:
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            return await self._run_with_output(row, trace, out, err)
+
+    async def _run_with_output(self, row: dict[str, Any], trace: Trace, out: Any, err: Any) -> Outcome:
+        """Output goes to unlinked files, not pipes: a process that left the group (``setsid``) can neither
+        hold the run on an open pipe nor leak its descriptors; only the tails are read."""
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self.command,
                 stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
+                stdout=out,
+                stderr=err,
                 env=self.environment(trace.token),
                 cwd=self.cfg.cwd or None,
                 start_new_session=True,
@@ -295,24 +307,28 @@ class HarnessRunner:
             ) from e
         pgid = proc.pid  # start_new_session: the child leads its own group
         self.groups.live.add(pgid)
-        out, err = _Tail(proc.stdout), _Tail(proc.stderr, 8 * 1024)
         timed_out = False
         deadline = time.monotonic() + self.cfg.timeout
+        broken = lambda: trace.server_error is not None  # noqa: E731 - the run stops: do not wait on the agent
         try:
             await self._feed(proc, row, self.cfg.timeout)
-            timed_out = not await wait_exit(proc, max(0.0, deadline - time.monotonic()))
+            timed_out = not await wait_exit(proc, max(0.0, deadline - time.monotonic()), broken)
         finally:
             self.proxy.traces.close(trace)  # its token expires the moment it exits (or times out)
             await stop_group(pgid, self.cfg.stop_grace_s)
             self.groups.live.discard(pgid)
             await wait_exit(proc, self.cfg.stop_grace_s + 1.0)  # SIGKILL was sent
-            stdout = await out.finish(READER_GRACE_S)
-            stderr = await err.finish(READER_GRACE_S)
-        if self._closing:
+            stdout = _tail(out, OUTPUT_TAIL_BYTES)
+            stderr = _tail(err, STDERR_TAIL_BYTES)
+        if self._closing or broken():
             return Outcome(unscored="the run stopped")
         if timed_out:
             self.metrics.add("harness/timeout_count", 1)
-            self._log_failure(f"ran past rollout.harness.timeout={self.cfg.timeout:g}s", stderr)
+            self._log_failure(
+                f"ran past rollout.harness.timeout={self.cfg.timeout:g}s ({trace.sampling_s:.0f}s of it waiting "
+                "for the policy server's answers: a loaded server or weight syncs count too)",
+                stderr,
+            )
             return Outcome(unscored="timeout")
         if proc.returncode != 0:
             self.metrics.add("harness/exit_failure_count", 1)
@@ -400,10 +416,12 @@ def build_harness(
             min_p=s.min_p,
             repetition_penalty=s.repetition_penalty,
             max_completion_length=s.max_completion_length,
+            ignore_mismatch=settings.rollout.harness.sampling_mismatch == "ignore",
         ),
         max_model_len=settings.max_model_len,
         sampling_mask=settings.sampling_mask,
         served_model=settings.served_model,
+        vocab_size=len(tokenizer),
     )
     r = settings.rollout
     return HarnessRunner(r.harness, RecordingProxy(policy, metrics), metrics, r.max_concurrent_rollouts)

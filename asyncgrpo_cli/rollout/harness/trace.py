@@ -21,6 +21,7 @@ used ``/v1/completions`` gets the row's prompt and ``[{"role": "assistant", "con
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,8 +36,13 @@ class Trace:
 
     token: str
     turns: list[TurnRecord] = field(default_factory=list)
-    replies: dict[str, str] = field(default_factory=dict)
-    """``reply_key`` of an answered assistant message -> the raw decoded text that was sampled."""
+    replies: dict[str, list[str]] = field(default_factory=dict)
+    """``reply_key`` of an answered assistant message -> the raw decoded texts sampled under it, in order (two
+    replies may look alike once parsed: the k-th such message of a request history takes the k-th text)."""
+    context: contextvars.Context = field(default_factory=contextvars.copy_context)
+    """The rollout task's context, which its requests are sampled in (``TraceTable.open``)."""
+    sampling_s: float = 0.0
+    """Seconds its requests spent waiting on the policy server (summed; concurrent requests overlap)."""
     first_messages: list[dict[str, Any]] | None = None
     conversation: list[dict[str, Any]] | None = None
     """The last chat request's messages as sent, plus the reply to it."""
@@ -72,15 +78,24 @@ class Trace:
             None,
         )
 
-    def raw_text(self, message: dict[str, Any]) -> str | None:
-        """The sampled text of an assistant message this trace answered, or None."""
-        return self.replies.get(reply_key(message)) if message.get("role") == "assistant" else None
+    def raw_text(self, message: dict[str, Any], seen: dict[str, int]) -> str | None:
+        """The sampled text of an assistant message this trace answered, or None; ``seen`` counts the keys met
+        so far in the same request history."""
+        if message.get("role") != "assistant":
+            return None
+        key = reply_key(message)
+        texts = self.replies.get(key)
+        if not texts:
+            return None
+        k = seen.get(key, 0)
+        seen[key] = k + 1
+        return texts[min(k, len(texts) - 1)]
 
     def record_chat(
         self, turn: TurnRecord, raw_messages: list[dict[str, Any]], message: dict[str, Any], text: str
     ) -> None:
         self.turns.append(turn)
-        self.replies[reply_key(message)] = text
+        self.replies.setdefault(reply_key(message), []).append(text)
         if self.first_messages is None:
             self.first_messages = list(raw_messages)
         self.conversation = [*raw_messages, message]

@@ -184,7 +184,9 @@ class GroupScorer:
         return ScoredGroup(samples, None if samples else "no_samples")
 
     async def reward_sources(self, group: RolloutGroup) -> np.ndarray:
-        """``[num_funcs, G]``: every reward function's value per completion (NaN for None)."""
+        """``[num_funcs, G]``: every reward function's value per completion (NaN for None). Rollouts marked
+        unscored are not shown to the functions (a harness that died may have left no completion to read); they
+        get NaN."""
         kwargs = {
             "prompts": group.prompts,
             "completions": group.completions,
@@ -192,7 +194,16 @@ class GroupScorer:
             **group.reward_kwargs,
         }
         n = len(group.completions)
-        return await call_reward_funcs(self.reward_funcs, kwargs, n, group.row_index, self.executor)
+        keep = [i for i, unscored in enumerate(group.unscored) if not unscored]
+        if len(keep) == n:
+            return await call_reward_funcs(self.reward_funcs, kwargs, n, group.row_index, self.executor)
+        out = np.full((len(self.reward_funcs), n), np.nan)
+        if keep:
+            part = {k: [v[i] for i in keep] for k, v in kwargs.items()}
+            out[:, keep] = await call_reward_funcs(
+                self.reward_funcs, part, len(keep), group.row_index, self.executor
+            )
+        return out
 
     def _stamp(
         self, group: RolloutGroup, advantages: np.ndarray, per_func: np.ndarray, names: list[str]

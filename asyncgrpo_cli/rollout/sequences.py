@@ -1,8 +1,15 @@
-"""Turning a rollout's turns into training sequences (samples), with fork-on-drift reconciliation.
+"""Turning a rollout's turns into training sequences (samples), with extend-or-fork reconciliation.
 
-A turn whose prompt starts with the tokens kept so far extends the current sample (the new prompt tail becomes
-context, the sampled tokens become trained tokens). Any other turn starts a new sample (a fork): the chat template
-re-rendered the history differently. Every generated token is trained in exactly one sample.
+Every sample of a rollout stays open until the rollout ends. Each turn after the first extends the open sample with
+the longest token sequence (its kept ids: prompts and outputs so far) that is a prefix of the turn's prompt, on a
+tie the one a turn went into most recently: the prompt's tail after it becomes context, the sampled tokens become
+trained tokens. A turn that no open sample is a prefix of starts a new sample (a fork: the chat template re-rendered
+the history differently, or the agent started another conversation). So one conversation is one sample, and an agent
+that interleaves conversations (sub-agents A and B: turns A1 B1 A2 B2) gets one sample per conversation, not one per
+turn. Samples are emitted in the order they were created; every generated token is trained in exactly one.
+``ReconcileStats``: ``transitions`` counts the turns after the first, ``forks`` those that extended no open sample,
+and ``drift_tokens`` has one entry per transition: 0 when it extended a sample, else how many kept ids of the
+previous turn's sample the prompt does not share (its length minus their common prefix).
 
 The sampler's top log-probs (``TurnRecord.output_sampler_logprobs``) become the ``sampler_topk`` token extra when
 ``num_topk > 0`` (the loss needs them): the ``num_topk`` most likely entries of each trained token, best first.
@@ -42,6 +49,7 @@ class _Builder:
         self.topk: list[dict[int, float] | None] = []
         self.masks: list[CandidateSets] = []  # per turn, its trained tokens' candidate sets
         self.num_topk = num_topk
+        self.last_turn = -1  # index of the last turn that went into this sample
 
     def add_context(self, ids: list[int]) -> None:
         self.ids.extend(ids)
@@ -110,35 +118,41 @@ class _Builder:
         )
 
 
+def _extends(kept: list[int], prompt: np.ndarray) -> bool:
+    """Whether ``kept`` is a prefix of ``prompt``."""
+    n = len(kept)
+    return n <= prompt.size and bool(np.array_equal(prompt[:n], np.asarray(kept, dtype=np.int64)))
+
+
 def rollout_to_sequences(rollout: Rollout, num_topk: int) -> tuple[list[TrainingSequence], ReconcileStats]:
     """Build the training sequences of one rollout (advantage and ids are attached by the caller)."""
     stats = ReconcileStats()
-    samples: list[TrainingSequence] = []
-    builder: _Builder | None = None
-    for turn in rollout.turns:
-        if builder is None:
-            builder = _Builder(num_topk)
-            builder.add_context(list(turn.prompt_ids))
+    builders: list[_Builder] = []  # every open sample, in creation order
+    current: _Builder | None = None  # the sample the previous turn went into
+    for i, turn in enumerate(rollout.turns):
+        prompt = list(turn.prompt_ids)
+        if current is None:
+            current = _Builder(num_topk)
+            current.add_context(prompt)
+            builders.append(current)
         else:
             stats.transitions += 1
-            kept = builder.ids
-            prompt = list(turn.prompt_ids)
-            if len(prompt) >= len(kept) and common_prefix_len(kept, prompt) == len(kept):
-                builder.add_context(prompt[len(kept) :])
+            arr = np.asarray(prompt, dtype=np.int64)
+            prefixes = [b for b in builders if _extends(b.ids, arr)]
+            if prefixes:
+                best = max(prefixes, key=lambda b: (len(b.ids), b.last_turn))
                 stats.drift_tokens.append(0)
+                best.add_context(prompt[len(best.ids) :])
+                current = best
             else:
                 stats.forks += 1
-                stats.drift_tokens.append(len(kept) - common_prefix_len(kept, prompt))
-                done = builder.build()
-                if done is not None:
-                    samples.append(done)
-                builder = _Builder(num_topk)
-                builder.add_context(prompt)
-        builder.add_turn_output(turn)
-    if builder is not None:
-        done = builder.build()
-        if done is not None:
-            samples.append(done)
+                stats.drift_tokens.append(len(current.ids) - common_prefix_len(current.ids, prompt))
+                current = _Builder(num_topk)
+                current.add_context(prompt)
+                builders.append(current)
+        current.last_turn = i
+        current.add_turn_output(turn)
+    samples = [s for s in (b.build() for b in builders) if s is not None]
     for s in samples:
         s.rollout_id = rollout.rollout_id
     return samples, stats

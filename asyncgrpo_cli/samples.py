@@ -3,8 +3,8 @@
 A *rollout* is one complete conversation for a prompt, made of one or more *turns* (sampling requests,
 :class:`TurnRecord`). A *group* (:class:`RolloutGroup`) holds the G rollouts of one prompt. A rollout becomes one
 or more *training sequences* (samples, :class:`TrainingSequence`): token ids with a per-token train mask, the
-sampler's log-probs and the advantage. Multi-turn rollouts whose re-rendered history drifts fork into several
-samples; every generated token is trained in exactly one of them (``rollout/sequences.py``).
+sampler's log-probs and the advantage. Multi-turn rollouts whose re-rendered history drifts, or that interleave
+conversations (a harness's sub-agents), give several samples; every generated token is trained in exactly one of them (``rollout/sequences.py``).
 
 Per-token data a loss needs beyond that travels as named *extras*: ``TrainingSequence.token_extras[name]``, one
 row per trained token, gathered by name into ``PackedRow.extras`` by every packer (``packing/row.py``). A loss

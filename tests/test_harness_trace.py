@@ -3,8 +3,8 @@
 
 Boundary: pure data, no proxy, no tokenizer. Token ids are small made-up integers, each turn's log-probs are
 distinct per turn, so every check can say which turn a trained token came from. Rules checked: a turn whose
-prompt starts with everything kept so far extends the sample (its prompt tail is context), any other turn
-forks; every sampled token is trained exactly once, with its own log-prob and top-k entries; a turn with no
+prompt starts with an open sample's tokens extends it (its prompt tail is context), any other turn forks
+(interleaved conversations: tests/test_sequences_interleaved.py); every sampled token is trained exactly once, with its own log-prob and top-k entries; a turn with no
 sampled token trains nothing and breaks nothing; and what reward functions see (``Rollout.prompt`` /
 ``completion``) follows trace.py's docstring for chat, completions-only and empty traces.
 """

@@ -2,8 +2,9 @@
 
 Every request the proxy served becomes a ``TurnRecord`` (the prompt ids it rendered, the sampled ids and their
 sampler log-probs, top-k and candidate sets, exactly as the tool loop records its turns), in the order the
-answers were sent. ``rollout/sequences.py`` turns them into samples afterwards: a turn whose prompt starts
-with everything kept so far extends the sample, any other turn forks (every sampled token trained once).
+answers were sent. ``rollout/sequences.py`` turns them into samples afterwards: a turn extends the longest open
+sample whose tokens start its prompt, a turn no sample prefixes forks (every sampled token trained once); so
+conversations an agent interleaves (sub-agents) give one sample each.
 
 Re-sent replies: an agent sends the replies it got back in its history, re-serialized by its client (tool calls
 as OpenAI objects, content without the call markup). Rendered through the template, that text would differ

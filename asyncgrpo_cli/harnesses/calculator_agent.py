@@ -31,8 +31,7 @@ CALCULATOR = {
             "properties": {
                 "expression": {
                     "type": "string",
-                    "description": 'An arithmetic expression using numbers, + - * / // % ** and parentheses, e.g. "37 '
-                    '* 24 + 5".',
+                    "description": 'An arithmetic expression using numbers, + - * / and parentheses, e.g. "37 * 24 + 5".',
                 }
             },
             "required": ["expression"],

@@ -114,7 +114,10 @@ print(json.dumps({"reward": 1.0 if status == 200 else 0.0}))
 """Chats until answered 200 (retrying every ``AGENT_RETRY_S`` seconds, for a minute), logging its PID and every
 answer's status and error code to ``AGENT_LOG``; a reward line 1.0 once answered."""
 
-ALTERNATING_TEMPLATE = (
+STRICT_TEMPLATE = (
+    "{%- if reasoning_effort is defined %}"
+    "{{- '<|im_start|>system\\nReasoning: ' + reasoning_effort + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if (message.role == 'user') != (loop.index0 % 2 == 0) %}"
     "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
@@ -123,7 +126,8 @@ ALTERNATING_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-"""A ChatML template that refuses conversations whose roles do not alternate, as Llama-2's and Mistral's do."""
+"""A ChatML template that refuses conversations whose roles do not alternate (as Llama-2's and Mistral's do) and
+renders a ``reasoning_effort`` template variable by string concatenation (as gpt-oss's does)."""
 
 
 class BodyRecordingFake(FakeVllmServer):
@@ -363,10 +367,15 @@ def test_an_answer_whose_client_hung_up_is_not_recorded(make_setup, tok):
 
 
 # -- 5. template errors and reserved template kwargs ------------------------------------------------------------
-def test_a_template_error_on_the_messages_is_a_400_naming_messages(make_setup, tok):
+@pytest.fixture
+def strict_setup(make_setup):
     strict = build_tiny_tokenizer()
-    strict.chat_template = ALTERNATING_TEMPLATE
-    s = make_setup(Replies(strict, [ANSWER]), tokenizer=strict)
+    strict.chat_template = STRICT_TEMPLATE
+    return strict, make_setup(Replies(strict, [ANSWER, ANSWER]), tokenizer=strict)
+
+
+def test_a_template_error_on_the_messages_is_a_400_naming_messages(strict_setup):
+    _, s = strict_setup
     trace, client = s.opened()
     twice = [*QUESTION, {"role": "user", "content": "Please answer."}]
     with pytest.raises(openai.BadRequestError) as e:
@@ -378,18 +387,25 @@ def test_a_template_error_on_the_messages_is_a_400_naming_messages(make_setup, t
     assert r.choices[0].message.content == ANSWER and len(trace.turns) == 1
 
 
-def test_template_kwargs_that_break_rendering_are_a_400_not_a_500(make_setup, tok):
-    s = make_setup(Replies(tok, []))
-    _, client = s.opened()
-    with pytest.raises(openai.BadRequestError) as e:
+def test_template_kwargs_the_template_cannot_render_are_a_400_not_a_500(strict_setup):
+    strict, s = strict_setup
+    trace, client = s.opened()
+    with pytest.raises(openai.BadRequestError) as e:  # the template concatenates it to a string
         client.chat.completions.create(
-            model="m", messages=QUESTION, extra_body={"chat_template_kwargs": {"padding": "sideways"}}
+            model="m", messages=QUESTION, extra_body={"chat_template_kwargs": {"reasoning_effort": 3}}
         )
     assert e.value.param == "messages" and "the chat template cannot render" in e.value.message
-    assert s.fake.bodies == []
+    assert "TypeError" in e.value.message and s.fake.bodies == []
+    client.chat.completions.create(  # a template variable it can render goes through
+        model="m", messages=QUESTION, extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}}
+    )
+    assert "Reasoning: high" in strict.decode(trace.turns[0].prompt_ids)
 
 
-@pytest.mark.parametrize("key", ["chat_template", "add_generation_prompt", "tools", "messages", "tokenize"])
+@pytest.mark.parametrize(
+    "key",
+    ["chat_template", "add_generation_prompt", "tools", "messages", "tokenize", "truncation", "max_length"],
+)
 def test_reserved_chat_template_kwargs_are_refused_by_name(make_setup, tok, key):
     s = make_setup(Replies(tok, []))
     _, client = s.opened()

@@ -44,9 +44,16 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
         "return_tensors",
         "conversation",
         "messages",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
     }
 )
-"""``chat_template_kwargs`` a request may not set: what the proxy passes itself, or what would swap the template."""
+"""``chat_template_kwargs`` a request may not set: what the proxy passes itself, what would swap the template, or
+another parameter of ``apply_chat_template`` (``truncation`` + ``max_length`` would cut the sampled prompt)."""
 
 
 class Rejected(Exception):

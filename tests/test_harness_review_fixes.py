@@ -311,6 +311,19 @@ def test_a_5xx_of_the_policy_server_gives_502_and_records_the_error(make_setup, 
     assert "HTTP 500" in str(trace.server_error) and trace.turns == []
 
 
+@pytest.mark.parametrize("status", [401, 404])
+def test_a_4xx_that_is_the_servers_setup_records_the_error_like_a_5xx(make_setup, tok, status):
+    """A 404 (no such model: the served name or the group's adapter is missing) or a 401 is how the server
+    was started, not what the agent asked: the run stops, as it would in a tool loop."""
+    s = make_setup(Replies(tok, [ANSWER]))
+    trace, client = s.opened()
+    s.fake.fail("/v1/completions", times=1, status=status)
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model="m", messages=QUESTION)
+    assert e.value.status_code == 502 and e.value.code == "upstream_error"
+    assert isinstance(trace.server_error, ServerRequestError) and trace.server_error.status == status
+
+
 def test_a_5xx_under_a_harness_stops_the_run_at_once_not_after_its_timeout(make_setup, tok, tmp_path):
     s = make_setup(always(tok))
     command, env, log = persistent_agent(tmp_path, retry_s=30.0)  # it would wait and retry for long

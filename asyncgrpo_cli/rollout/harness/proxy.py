@@ -48,6 +48,9 @@ from asyncgrpo_cli.samples import TurnRecord
 
 log = logging.getLogger(__name__)
 
+REQUEST_FAULTS = (400, 413, 422)
+"""Policy-server statuses that blame the request: refused to the agent (400 ``upstream_rejected``). Any other
+failure stops the run, as it would a tool loop (a 404 model name or a 401 is how the server was started)."""
 EXPIRED_TOKENS_KEPT = 4096
 """Tokens of ended rollouts remembered, to tell an expired token from an unknown one in the 401."""
 
@@ -352,7 +355,7 @@ class RecordingProxy:
                 ) from None
             raise
         except ServerRequestError as e:
-            if e.status is not None and 400 <= e.status < 500:  # this request's fault, not the server's
+            if e.status in REQUEST_FAULTS:  # this request's fault (a 404 model, a 401 are the server's setup)
                 raise api.Rejected(
                     None, f"the policy server refused this request: {e}", code="upstream_rejected"
                 ) from None

@@ -59,6 +59,7 @@ from tests.helpers.harness_policy import (
     TEMPERATURE,
     ProxyRig,
     Replies,
+    gone,
     training_tokenizer,
 )
 
@@ -220,19 +221,6 @@ def ids_of(tok, text: str) -> list[int]:
 def always(tok, text: str = ANSWER):
     """A reply script answering ``text`` to every prompt (for concurrent harnesses)."""
     return lambda prompt_ids, max_tokens: ids_of(tok, text)
-
-
-def gone(pid: int) -> bool:
-    """No process ``pid`` any more, or only its zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return True
-    return state in ("Z", "X")
 
 
 def agent_log(path: Path) -> list[dict[str, Any]]:

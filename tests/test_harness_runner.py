@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +42,7 @@ from asyncgrpo_cli.rollout.scorers.grpo import GroupScorer
 from asyncgrpo_cli.rollout.sequences import rollout_to_sequences
 from asyncgrpo_cli.samples import Rollout, RolloutGroup, TurnRecord
 from tests.helpers.fake_server import FakeVllmServer
-from tests.helpers.harness_policy import training_tokenizer
+from tests.helpers.harness_policy import gone, training_tokenizer
 
 SCRIPT = str(Path(__file__).parent / "helpers" / "harness_agents.py")
 REPLY_1 = "The answer is 4."
@@ -173,19 +172,6 @@ async def bench(
     finally:
         await runner.close()
         await client.close()
-
-
-def gone(pid: int) -> bool:
-    """No process ``pid`` any more, or only its zombie (dead, not reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return True
-    return state in ("Z", "X")
 
 
 def assert_all_gone(b: Bench, expected: int) -> None:

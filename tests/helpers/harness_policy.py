@@ -17,8 +17,10 @@ synchronous ``openai`` client over real HTTP. Everything it starts it stops in `
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Coroutine
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -192,3 +194,16 @@ class ProxyRig:
             return self.metrics.reduce()
 
         return self.call(op())
+
+
+def gone(pid: int) -> bool:
+    """No process ``pid`` any more, or only its zombie (dead, not reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")

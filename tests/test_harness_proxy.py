@@ -21,6 +21,7 @@ import pytest
 from openai import OpenAI
 
 from asyncgrpo_cli.rollout.agent.tool_calls import ParsedReply, ToolCall
+from asyncgrpo_cli.rollout.harness import openai_answers as answers
 from asyncgrpo_cli.rollout.harness import openai_api as api
 from asyncgrpo_cli.rollout.harness.trace import trace_rollout
 from asyncgrpo_cli.rollout.sequences import rollout_to_sequences
@@ -571,7 +572,9 @@ RUN = api.RunSampling(
 
 
 def test_reply_key_ignores_call_ids_and_argument_formatting():
-    sent = api.assistant_message(ParsedReply("Let me multiply.", [ToolCall("multiply", {"a": 3, "b": 4})]))
+    sent = answers.assistant_message(
+        ParsedReply("Let me multiply.", [ToolCall("multiply", {"a": 3, "b": 4})])
+    )
     fn = sent["tool_calls"][0]["function"]
     back = {
         "role": "assistant",
@@ -597,14 +600,14 @@ def test_reply_key_ignores_call_ids_and_argument_formatting():
 def test_assistant_message_leaves_malformed_calls_out():
     good = ToolCall("multiply", {"a": 3, "b": 4})
     bad = ToolCall("multiply", {}, error="malformed JSON")
-    only_calls = api.assistant_message(ParsedReply("", [good]))
+    only_calls = answers.assistant_message(ParsedReply("", [good]))
     assert only_calls["content"] is None and len(only_calls["tool_calls"]) == 1
     assert only_calls["tool_calls"][0]["function"]["arguments"] == '{"a": 3, "b": 4}'
-    malformed = api.assistant_message(ParsedReply("", [bad]))
+    malformed = answers.assistant_message(ParsedReply("", [bad]))
     assert malformed == {"role": "assistant", "content": ""}
-    assert api.finish_reason("stop", only_calls) == "tool_calls"
-    assert api.finish_reason("stop", malformed) == "stop"
-    assert api.finish_reason("length", only_calls) == "length"
+    assert answers.finish_reason("stop", only_calls) == "tool_calls"
+    assert answers.finish_reason("stop", malformed) == "stop"
+    assert answers.finish_reason("length", only_calls) == "length"
 
 
 def test_parse_chat_converts_messages_for_the_template():
@@ -667,4 +670,4 @@ def test_top_k_must_match_the_run():
 
 def test_sse_ends_with_done():
     events = [{"a": 1}, {"b": "é"}]
-    assert api.sse(events).decode("utf-8") == 'data: {"a": 1}\n\ndata: {"b": "é"}\n\ndata: [DONE]\n\n'
+    assert answers.sse(events).decode("utf-8") == 'data: {"a": 1}\n\ndata: {"b": "é"}\n\ndata: [DONE]\n\n'

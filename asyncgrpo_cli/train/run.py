@@ -216,8 +216,8 @@ def _start_rollout(
     """Rank 0: spawn the rollout process, the metrics sinks and the step planner."""
     from asyncgrpo_cli.metrics.logger import MetricsLogger
     from asyncgrpo_cli.packing import planner_for
-    from asyncgrpo_cli.rollout.settings import RolloutSettings
     from asyncgrpo_cli.rollout.process import RolloutProcess, RolloutSpec
+    from asyncgrpo_cli.rollout.settings import RolloutSettings
     from asyncgrpo_cli.samples import SAMPLER_TOPK
     from asyncgrpo_cli.train.batching import StepCollector
 

@@ -42,6 +42,7 @@ from starlette.routing import Route
 from asyncgrpo_cli.metrics.reducer import MetricWindow
 from asyncgrpo_cli.rollout.agent.tool_calls import ParsedReply, ToolCallParser
 from asyncgrpo_cli.rollout.client import ServerRequestError
+from asyncgrpo_cli.rollout.harness import openai_answers as answers
 from asyncgrpo_cli.rollout.harness import openai_api as api
 from asyncgrpo_cli.rollout.harness.trace import Trace
 from asyncgrpo_cli.samples import TurnRecord
@@ -220,23 +221,24 @@ class RecordingProxy:
             return self._refused(e)
         text = self.policy.decode(turn.output_ids)
         reply = self.policy.parser.parse(text) if req.tools else ParsedReply(text, [])
-        message = api.assistant_message(reply)
+        message = answers.assistant_message(reply)
         trace.record_chat(turn, req.raw_messages, message, text)
         logprobs = None
         if req.logprobs:
             tokens, lps, tops = self._logprobs(turn, req.top_logprobs)
-            logprobs = api.chat_logprobs(tokens, lps, tops)
-        answer = api.chat_response(
+            logprobs = answers.chat_logprobs(tokens, lps, tops)
+        answer = answers.chat_response(
             req.model or self.policy.served_model,
             message,
-            api.finish_reason(turn.finish_reason, message),
+            answers.finish_reason(turn.finish_reason, message),
             len(prompt_ids),
             len(turn.output_ids),
             logprobs,
         )
         if req.stream:
             return Response(
-                api.sse(api.chat_stream_events(answer, req.include_usage)), media_type="text/event-stream"
+                answers.sse(answers.chat_stream_events(answer, req.include_usage)),
+                media_type="text/event-stream",
             )
         return JSONResponse(answer)
 
@@ -262,18 +264,18 @@ class RecordingProxy:
         trace.record_completion(turn, text)
         logprobs = None
         if req.logprobs:
-            logprobs = api.completion_logprobs(*self._logprobs(turn, req.logprobs))
-        answer = api.completion_response(
+            logprobs = answers.completion_logprobs(*self._logprobs(turn, req.logprobs))
+        answer = answers.completion_response(
             req.model or self.policy.served_model,
             text,
-            api.finish_reason(turn.finish_reason, {}),
+            answers.finish_reason(turn.finish_reason, {}),
             len(prompt_ids),
             len(turn.output_ids),
             logprobs,
         )
         if req.stream:
             return Response(
-                api.sse(api.completion_stream_events(answer, req.include_usage)),
+                answers.sse(answers.completion_stream_events(answer, req.include_usage)),
                 media_type="text/event-stream",
             )
         return JSONResponse(answer)

@@ -168,9 +168,15 @@ def _concat_topk(kind: type, extras: list[Any], trained: np.ndarray) -> Any:
             by_width.setdefault(shape[1], []).append(i)
     k = max(by_width, default=0)
     n_rows = int(trained.sum())
-    ids = np.full((n_rows, k), -1, dtype=np.int64)
-    lps = np.full((n_rows, k), -np.inf, dtype=np.float32)
+    every = len(by_width) == 1 and len(by_width.get(k, ())) == len(extras)
+    ids = np.empty((n_rows, k), dtype=np.int64) if every else np.full((n_rows, k), -1, dtype=np.int64)
+    lps = np.empty((n_rows, k), dtype=np.float32) if every else np.full((n_rows, k), -np.inf, dtype=np.float32)
     for w, members in by_width.items():
+        if w == k and len(members) == len(extras):  # every sample, one width: concatenate in place
+            np.concatenate([p.ids for p in extras], out=ids, casting="unsafe")
+            np.concatenate([p.logprobs for p in extras], out=lps, casting="unsafe")
+            np.copyto(lps, -np.inf, where=ids < 0)
+            continue
         part_ids = np.concatenate([extras[i].ids for i in members])
         part_lps = np.where(part_ids >= 0, np.concatenate([extras[i].logprobs for i in members]), -np.inf)
         if len(members) == len(extras):

@@ -68,17 +68,22 @@ class TreeLayout:
         return np.split(self.positions, self.sample_offsets[1:-1])
 
 
-def _check_ids(samples: Sequence[TrainingSequence]) -> list[np.ndarray]:
-    ids = [np.asarray(s.input_ids, dtype=np.int64) for s in samples]
-    bad = [i for i, x in enumerate(ids) if x.ndim != 1 or x.shape[0] == 0]
-    scan = ids[: bad[0]] if bad else ids
-    if scan and int(np.concatenate(scan).min()) < 0:
-        bad.insert(0, next(i for i, x in enumerate(scan) if int(x.min()) < 0))
-    if bad:
+def _check_ids(samples: Sequence[TrainingSequence]) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """(ids, lengths, concatenated int64 ids) of the row; ValueError naming the first sample that is not a
+    non-empty 1-D array of ids >= 0."""
+    ids = [x if isinstance(x := s.input_ids, np.ndarray) else np.asarray(x, dtype=np.int64) for s in samples]
+    lengths = np.fromiter((x.shape[0] if x.ndim == 1 else 0 for x in ids), dtype=np.int64, count=len(ids))
+    bad = np.flatnonzero(lengths == 0)
+    scan = ids[: int(bad[0])] if bad.size else ids
+    cat = np.concatenate(scan).astype(np.int64, copy=False) if scan else np.zeros(0, np.int64)
+    first = int(bad[0]) if bad.size else -1
+    if cat.size and int(cat.min()) < 0:
+        first = int(np.searchsorted(np.cumsum(lengths[: len(scan)]), int(np.argmax(cat < 0)), side="right"))
+    if first >= 0:
         raise ValueError(
-            f"sample {bad[0]}: input_ids must be a non-empty 1-D array of ids >= 0 (shape {ids[bad[0]].shape})"
+            f"sample {first}: input_ids must be a non-empty 1-D array of ids >= 0 (shape {ids[first].shape})"
         )
-    return ids
+    return ids, lengths, cat
 
 
 def tree_layout(samples: Sequence[TrainingSequence]) -> TreeLayout:
@@ -90,10 +95,8 @@ def tree_layout(samples: Sequence[TrainingSequence]) -> TreeLayout:
     """
     if not samples:
         raise ValueError("cannot pack an empty row: the planner gives every rank at least one sample")
-    ids = _check_ids(samples)
+    ids, lengths, cat = _check_ids(samples)
     n = len(ids)
-    cat = np.concatenate(ids)
-    lengths = np.fromiter((x.shape[0] for x in ids), dtype=np.int64, count=n)
     ends = np.cumsum(lengths)
     starts = ends - lengths
     first: dict[Hashable, int] = {}

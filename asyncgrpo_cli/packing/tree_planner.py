@@ -38,10 +38,11 @@ from collections.abc import Hashable
 import numpy as np
 
 from asyncgrpo_cli.packing.planner import MicroBatch, context_only
-from asyncgrpo_cli.packing.trie import Attachment, GroupTrie, group_key, trie_key
+from asyncgrpo_cli.packing.trie import Attachment, GroupTrie, group_key
 from asyncgrpo_cli.samples import TrainingSequence
 
 logger = logging.getLogger(__name__)
+_INT64, _BOOL = np.dtype(np.int64), np.dtype(np.bool_)
 
 
 class TreeBudgetPlanner:
@@ -71,7 +72,9 @@ class TreeBudgetPlanner:
 
     def add(self, sample: TrainingSequence) -> MicroBatch | None:
         """Place ``sample``; return the micro-batch it closed, if any (then the sample opens the next one)."""
-        ids = np.asarray(sample.input_ids, dtype=np.int64)
+        ids = sample.input_ids
+        if ids.dtype is not _INT64:
+            ids = np.asarray(ids, dtype=np.int64)
         length = int(ids.shape[0])
         if length == 0:
             raise ValueError("empty sample (no tokens) given to the planner")
@@ -85,17 +88,20 @@ class TreeBudgetPlanner:
             )
             return None
         group = group_key(sample)
-        key = trie_key(ids)
-        home = self._homes.get(group, [])
-        attachments = {r: self._tries[r][group].probe(ids, key) for r in home}
+        key = ids.tobytes()
         mask = sample.train_mask
-        trained = int(np.count_nonzero(mask)) if mask.dtype == np.bool_ else sample.num_trained
-        rank = self._choose(length, trained, attachments)
+        trained = int(np.count_nonzero(mask)) if mask.dtype is _BOOL else sample.num_trained
+        home = self._homes.get(group)
         emitted = None
+        if home is None:
+            rank = self._choose_new(length, trained, None)
+        else:
+            tries = self._tries
+            attachments = {r: tries[r][group].probe(ids, key) for r in home}
+            rank = self._choose_home(length, trained, attachments)
         if rank is None:
             emitted = self._emit(self._rows)
-            rank, attachments = 0, {}
-        att = attachments.get(rank)
+            rank = 0
         tries = self._tries[rank]
         trie = tries.get(group)
         if trie is None:
@@ -103,36 +109,43 @@ class TreeBudgetPlanner:
             ranks = self._homes.setdefault(group, [])
             ranks.append(rank)
             ranks.sort()
-        att = trie.insert(ids, att, key)
+            trie.probe(ids, key)
+        att = trie.commit()
         self._rows[rank].append(sample)
-        self._tokens[rank] += att.new_tokens
+        self._tokens[rank] += length - att.own_from
         self._trained[rank] += trained
         self._cost[rank] += att.new_pairs
         return emitted
 
-    def _choose(self, length: int, trained: int, attachments: dict[int, Attachment]) -> int | None:
-        """The rank for a sample under rules 1-3 of the module docstring; None: emit the micro-batch first.
-        ``attachments``: the sample's probe in each rank holding its group."""
-        budget, tokens, cost = self.token_budget, self._tokens, self._cost
+    def _choose_home(self, length: int, trained: int, attachments: dict[int, Attachment]) -> int | None:
+        """Rules 1-2 for a sample whose group is open in the ranks of ``attachments`` (its probe in each)."""
+        budget, tokens, cost, done = self.token_budget, self._tokens, self._cost, self._trained
         trained_ok = budget - trained
-        pairs = length * (length + 1) // 2
         best, best_key = None, None
         for r, att in attachments.items():  # rule 1: fewest new tokens, then lowest cost after, then rank
-            if tokens[r] + att.new_tokens <= budget and self._trained[r] <= trained_ok:
-                k = (att.new_tokens, cost[r] + att.new_pairs, r)
+            new = length - att.own_from
+            if tokens[r] + new <= budget and done[r] <= trained_ok:
+                k = (new, cost[r] + att.new_pairs, r)
                 if best_key is None or k < best_key:
                     best, best_key = r, k
-        if best is not None or attachments:
-            if best is not None:
-                return best
-            for r, row in enumerate(self._rows):  # rule 2: an empty row
-                if not row:
-                    return r
-            top = max(cost)
-        else:
-            top = None
-        for r in range(self.num_ranks):  # rules 2-3: a fitting row elsewhere of least cost (ties: lowest rank)
-            if r in attachments or tokens[r] + length > budget or self._trained[r] > trained_ok:
+        if best is not None:
+            return best
+        for r, row in enumerate(self._rows):  # rule 2: an empty row
+            if not row:
+                return r
+        return self._choose_new(length, trained, attachments, top=max(cost))
+
+    def _choose_new(
+        self, length: int, trained: int, attachments: dict[int, Attachment] | None, top: int | None = None
+    ) -> int | None:
+        """The fitting rank of least cost (ties: lowest rank) outside ``attachments``; with ``top``, only one whose
+        cost after adding the sample stays <= top (rule 2); None when there is none (rule 3)."""
+        budget, tokens, cost, done = self.token_budget, self._tokens, self._cost, self._trained
+        trained_ok, limit = budget - trained, budget - length
+        pairs = length * (length + 1) // 2
+        best = None
+        for r in range(self.num_ranks):
+            if tokens[r] > limit or done[r] > trained_ok or (attachments is not None and r in attachments):
                 continue
             if top is not None and cost[r] + pairs > top:
                 continue

@@ -34,8 +34,7 @@ sample.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -50,9 +49,9 @@ def trie_key(ids: Any) -> bytes:
     return np.asarray(ids, dtype=np.int64).tobytes()
 
 
-@dataclass(frozen=True)
-class Attachment:
-    """Where a new sample goes in a group trie, and what it adds.
+class Attachment(NamedTuple):
+    """Where a new sample goes in a group trie, and what it adds (a named tuple: built once per probe, and a
+    frozen dataclass costs ~1 us to build).
 
     ``parent``: the earlier sample (group-local index) whose path it shares below ``own_from`` (-1: none).
     ``own_from``: first depth the sample places itself; its chunk is depths [own_from, length).
@@ -139,12 +138,17 @@ class GroupTrie:
             raise ValueError(f"a trie sample must be a non-empty 1-D id array, got shape {ids.shape}")
         walk = self._walk
         if att is None or walk is None or walk[0] is not att:
-            att = self.probe(ids, key)
-            walk = self._walk
-        assert walk is not None
-        _, key, node, child, m = walk
+            self.probe(ids, key)
+        return self.commit()
+
+    def commit(self) -> Attachment:
+        """Add the sample of the last :meth:`probe` (as it probed); returns its attachment."""
+        walk = self._walk
+        if walk is None:
+            raise RuntimeError("GroupTrie.commit without a probe")
+        att, key, node, child, m = walk
         self._walk = None
-        j, length = len(self.lengths), att.length
+        length, own = att.length, att.own_from
         if m < length:  # contained samples change nothing
             if child is not None:  # split the edge into ``child`` at depth m
                 cut = 8 * (m - child.start)
@@ -153,12 +157,12 @@ class GroupTrie:
                 child.label, child.start = child.label[cut:], m
                 mid.children[child.label[:8]] = child
                 node = mid
-            node.children[key[8 * m : 8 * m + 8]] = _Node(m, length, key[8 * m :], j)
+            node.children[key[8 * m : 8 * m + 8]] = _Node(m, length, key[8 * m :], len(self.lengths))
         self.lengths.append(length)
         self.parents.append(att.parent)
-        self.own_from.append(att.own_from)
-        self.num_tokens += att.new_tokens
-        self.num_pairs += att.new_pairs
+        self.own_from.append(own)
+        self.num_tokens += length - own
+        self.num_pairs += (length * (length + 1) - own * (own + 1)) // 2
         return att
 
     def anchor(self, j: int) -> tuple[int, int]:

@@ -10,7 +10,7 @@ included, in order) must be equal.
 
 from __future__ import annotations
 
-from dataclasses import fields, is_dataclass
+from dataclasses import fields, is_dataclass, replace
 
 import numpy as np
 import pytest
@@ -88,7 +88,10 @@ def make_sample(rng, ids: np.ndarray, p: int, group: int, extras: bool) -> Train
             )
         if rng.random() < 0.3:
             sets = CandidateSets.from_lists(
-                [None if rng.random() < 0.3 else rng.integers(0, 50, size=rng.integers(1, 5)) for _ in range(n)]
+                [
+                    None if rng.random() < 0.3 else rng.integers(0, 50, size=rng.integers(1, 5))
+                    for _ in range(n)
+                ]
             )
     return TrainingSequence(
         input_ids=ids,
@@ -197,7 +200,7 @@ def test_token_budget_planners_and_packers_match_reference(shape, ranks):
 def test_fixed_count_planner_matches_reference(ranks):
     rng = np.random.default_rng(ranks)
     cfg = PackingConfig(kind="tree")
-    for trial in range(10):
+    for _ in range(10):
         samples = random_step(rng, int(rng.integers(1, 90)), extras=True, **SHAPES["grpo"])
         per_row = int(rng.integers(1, 20))
         for new_packer, ref_packer in (
@@ -237,7 +240,9 @@ def test_group_trie_matches_reference(vocab):
     rng = np.random.default_rng(vocab)
     for _ in range(40):
         new, ref = GroupTrie(), ref_trie.GroupTrie()
-        for s in random_step(rng, int(rng.integers(1, 30)), vocab=vocab, prompt=6, completion=10, extras=False):
+        for s in random_step(
+            rng, int(rng.integers(1, 30)), vocab=vocab, prompt=6, completion=10, extras=False
+        ):
             ids = s.input_ids
             assert att(new.probe(ids)) == att(ref.probe(ids))
             assert att(new.insert(ids)) == att(ref.insert(ids))
@@ -280,3 +285,63 @@ def test_bench_planning_workload_matches_reference():
         SequencePacker(cfg),
         ref_sequence.SequencePacker(cfg),
     )
+
+
+def test_large_groups_take_the_trie_path(monkeypatch):
+    """Rows whose [groups, G, G] array would be too large insert into GroupTrie: the same rows."""
+    from asyncgrpo_cli.packing import tree_arrays
+
+    monkeypatch.setattr(tree_arrays, "MAX_PAIRS", 0)
+    rng = np.random.default_rng(11)
+    cfg = PackingConfig(kind="tree")
+    for _ in range(20):
+        samples = random_step(rng, int(rng.integers(1, 60)), extras=True, **SHAPES["dense_forks"])
+        assert_same(TreePacker(cfg).pack(samples), ref_tree.TreePacker(cfg).pack(samples), "row")
+
+
+def _bad_rows(rng):
+    """Rows the packers refuse: (description, samples)."""
+    good = random_step(rng, 6, extras=True, vocab=50, prompt=6, completion=6)
+    s = good[3]
+    yield "token 0 trained", [*good[:3], replace(s, train_mask=np.ones(len(s), dtype=bool))]
+    negative = s.input_ids.copy()
+    negative[-1] = -2
+    yield "negative id", [*good[:2], replace(s, input_ids=negative), good[4]]
+    empty = dict(input_ids=np.zeros(0, np.int64), train_mask=np.zeros(0, bool), sampler_logprobs=np.zeros(0))
+    yield "empty sample", [*good[:2], replace(s, **empty, token_extras={}, sampling_mask=None), good[4]]
+    yield "2-D ids", [good[0], replace(s, input_ids=np.zeros((2, 2), np.int64))]
+    yield "short extra", [*good[:2], replace(s, token_extras={SAMPLER_TOPK: TopK.empty(s.num_trained + 1)})]
+    yield "short sets", [*good[:2], replace(s, sampling_mask=CandidateSets.empty(s.num_trained + 2))]
+    names = replace(s, token_extras={"t": TeacherTopK.empty(s.num_trained)})
+    other = good[4]
+    n = other.num_trained
+    other = replace(
+        other, token_extras={"t": TeacherTopK(np.zeros((n, 1)), np.zeros((n, 1)), teacher_names=("x",))}
+    )
+    mixed = replace(good[5], token_extras={"t": TeacherTopK(*(np.zeros((good[5].num_trained, 1)),) * 2)})
+    yield "teacher names", [names, other, mixed]
+
+
+def test_invalid_rows_are_refused_like_the_reference():
+    """Each refusal of the reference (a ValueError) names the same sample and problem (the message up to its first
+    colon); where the reference failed by accident (an IndexError), the new code refuses with a ValueError."""
+    rng = np.random.default_rng(5)
+    cfg = PackingConfig(kind="tree")
+    for what, samples in _bad_rows(rng):
+        for new, ref in (
+            (TreePacker(cfg), ref_tree.TreePacker(cfg)),
+            (SequencePacker(cfg), ref_sequence.SequencePacker(cfg)),
+        ):
+            try:
+                ref.pack(samples)
+            except (ValueError, IndexError) as e:
+                want = str(e)
+            else:
+                want = None
+            if want is None:
+                assert_same(new.pack(samples), ref.pack(samples), what)
+                continue
+            with pytest.raises(ValueError) as got:
+                new.pack(samples)
+            if not want.startswith("index"):
+                assert str(got.value).split(":")[0] == want.split(":")[0], (what, str(got.value), want)

@@ -157,7 +157,9 @@ def micro_batch(rows: list[list[TrainingSequence]], token_budget: int) -> MicroB
     if empty:
         shortest = min((s for row in rows for s in row), key=len)
         rows = [row if row else [context_only(shortest)] for row in rows]
-    lengths = [np.fromiter((s.input_ids.shape[0] for s in row), dtype=np.int64, count=len(row)) for row in rows]
+    lengths = [
+        np.fromiter((s.input_ids.shape[0] for s in row), dtype=np.int64, count=len(row)) for row in rows
+    ]
     return MicroBatch(
         rows=rows,
         samples_per_row=np.array([len(row) for row in rows], dtype=np.int64),

@@ -170,7 +170,9 @@ def _concat_topk(kind: type, extras: list[Any], trained: np.ndarray) -> Any:
     n_rows = int(trained.sum())
     every = len(by_width) == 1 and len(by_width.get(k, ())) == len(extras)
     ids = np.empty((n_rows, k), dtype=np.int64) if every else np.full((n_rows, k), -1, dtype=np.int64)
-    lps = np.empty((n_rows, k), dtype=np.float32) if every else np.full((n_rows, k), -np.inf, dtype=np.float32)
+    lps = (
+        np.empty((n_rows, k), dtype=np.float32) if every else np.full((n_rows, k), -np.inf, dtype=np.float32)
+    )
     for w, members in by_width.items():
         if w == k and len(members) == len(extras):  # every sample, one width: concatenate in place
             np.concatenate([p.ids for p in extras], out=ids, casting="unsafe")
@@ -218,7 +220,9 @@ def _gather_extras(samples: Sequence[TrainingSequence], trained: np.ndarray) -> 
         if kind in (TopK, TeacherTopK) and all(e is None or type(e) is kind for e in extras):
             merged = _concat_topk(kind, extras, trained)
         else:
-            merged = kind.concat([kind.empty(n) if e is None else e for e, n in zip(extras, counts, strict=True)])
+            merged = kind.concat(
+                [kind.empty(n) if e is None else e for e, n in zip(extras, counts, strict=True)]
+            )
         out[name] = _map_arrays(merged, np.ndarray, _as_tensors)
     return out
 
@@ -247,11 +251,15 @@ def gather_loss_terms(
     flat = np.flatnonzero(np.concatenate([s.train_mask for s in samples])) if n else np.zeros(0, np.int64)
     owner = np.searchsorted(ends, flat, side="right")
     if (first := np.flatnonzero(flat == (ends - lengths)[owner])).size:
-        raise ValueError(f"sample {owner[first[0]]}: token 0 is marked trained but has no predecessor to predict it")
+        raise ValueError(
+            f"sample {owner[first[0]]}: token 0 is marked trained but has no predecessor to predict it"
+        )
     trained = np.bincount(owner, minlength=n).astype(np.int64)
     out: dict[str, Any] = {}
     if n:
-        positions = packed_positions if isinstance(packed_positions, np.ndarray) else np.concatenate(packed_positions)
+        positions = (
+            packed_positions if isinstance(packed_positions, np.ndarray) else np.concatenate(packed_positions)
+        )
         adv = np.array([s.advantage for s in samples])
         terms = {
             "pred_index": np.asarray(positions)[flat - 1],

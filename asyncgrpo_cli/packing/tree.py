@@ -123,7 +123,9 @@ def tree_layout(samples: Sequence[TrainingSequence]) -> TreeLayout:
     parent_pos = np.arange(-1, total - 1, dtype=np.int64)
     head_anchor, head_a = anchor_sample[order], a[order]
     parent_pos[chunk_start[placed]] = np.where(
-        head_anchor >= 0, chunk_start[np.maximum(head_anchor, 0)] + head_a - own_from[np.maximum(head_anchor, 0)], -1
+        head_anchor >= 0,
+        chunk_start[np.maximum(head_anchor, 0)] + head_a - own_from[np.maximum(head_anchor, 0)],
+        -1,
     )
     sample = np.repeat(np.arange(n), lengths)
     token_depth = np.arange(int(ends[-1])) - np.repeat(starts, lengths)

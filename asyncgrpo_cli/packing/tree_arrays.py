@@ -57,8 +57,7 @@ def placements(
         return _with_tries(cat, starts, lengths, group)
     raw = cat.tobytes()
     keys = [raw[8 * s : 8 * (s + n_)] for s, n_ in zip(starts.tolist(), lengths.tolist(), strict=True)]
-    gl = group.tolist()
-    order = np.array(sorted(range(n), key=lambda i: (gl[i], keys[i], i)), dtype=np.int64)
+    order = np.array([i for _, _, i in sorted(zip(group.tolist(), keys, range(n)))], dtype=np.int64)
     gstart = np.cumsum(sizes) - sizes
     spos = np.empty(n, dtype=np.int64)  # sorted position within the group
     spos[order] = np.arange(n) - gstart[group[order]]

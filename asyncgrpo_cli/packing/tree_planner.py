@@ -95,6 +95,15 @@ class TreeBudgetPlanner:
         emitted = None
         if home is None:
             rank = self._choose_new(length, trained, None)
+        elif len(home) == 1:  # the usual case: rule 1 has one candidate
+            r = home[0]
+            att = self._tries[r][group].probe(ids, key)
+            if self._tokens[r] + length - att.own_from <= self.token_budget and (
+                self._trained[r] + trained <= self.token_budget
+            ):
+                rank = r
+            else:
+                rank = self._choose_home(length, trained, {r: att})
         else:
             tries = self._tries
             attachments = {r: tries[r][group].probe(ids, key) for r in home}
@@ -110,11 +119,11 @@ class TreeBudgetPlanner:
             ranks.append(rank)
             ranks.sort()
             trie.probe(ids, key)
-        att = trie.commit()
+        own = trie.commit().own_from
         self._rows[rank].append(sample)
-        self._tokens[rank] += length - att.own_from
+        self._tokens[rank] += length - own
         self._trained[rank] += trained
-        self._cost[rank] += att.new_pairs
+        self._cost[rank] += (length * (length + 1) - own * (own + 1)) // 2
         return emitted
 
     def _choose_home(self, length: int, trained: int, attachments: dict[int, Attachment]) -> int | None:

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.helpers.packing_reference.attention import dense_mask
 from asyncgrpo_cli.samples import CandidateSets, TopK, TrainingSequence
+from tests.helpers.packing_reference.attention import dense_mask
 
 
 @dataclass

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from asyncgrpo_cli.config.schema import PackingConfig
+from asyncgrpo_cli.samples import TrainingSequence
 from tests.helpers.packing_reference.attention import sequence_leave
 from tests.helpers.packing_reference.row import PackedRow, gather_loss_terms
-from asyncgrpo_cli.samples import TrainingSequence
 
 
 class SequencePacker:

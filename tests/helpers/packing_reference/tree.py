@@ -32,10 +32,10 @@ import numpy as np
 import torch
 
 from asyncgrpo_cli.config.schema import PackingConfig
+from asyncgrpo_cli.samples import TrainingSequence
 from tests.helpers.packing_reference.attention import token_leave
 from tests.helpers.packing_reference.row import PackedRow, gather_loss_terms
 from tests.helpers.packing_reference.trie import GroupTrie, group_key
-from asyncgrpo_cli.samples import TrainingSequence
 
 
 @dataclass

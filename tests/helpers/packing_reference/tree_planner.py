@@ -36,9 +36,9 @@ from collections.abc import Hashable
 
 import numpy as np
 
+from asyncgrpo_cli.samples import TrainingSequence
 from tests.helpers.packing_reference.planner import MicroBatch, context_only
 from tests.helpers.packing_reference.trie import Attachment, GroupTrie, group_key
-from asyncgrpo_cli.samples import TrainingSequence
 
 logger = logging.getLogger(__name__)
 

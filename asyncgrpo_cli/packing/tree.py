@@ -35,7 +35,7 @@ import torch
 from asyncgrpo_cli.config.schema import PackingConfig
 from asyncgrpo_cli.packing.attention import token_leave
 from asyncgrpo_cli.packing.row import PackedRow, gather_loss_terms
-from asyncgrpo_cli.packing.tree_arrays import owners, placements, preorder
+from asyncgrpo_cli.packing.tree_arrays import owners, path_positions, placements, preorder
 from asyncgrpo_cli.packing.trie import group_key
 from asyncgrpo_cli.samples import TrainingSequence
 
@@ -127,10 +127,7 @@ def tree_layout(samples: Sequence[TrainingSequence]) -> TreeLayout:
         chunk_start[np.maximum(head_anchor, 0)] + head_a - own_from[np.maximum(head_anchor, 0)],
         -1,
     )
-    sample = np.repeat(np.arange(n), lengths)
-    token_depth = np.arange(int(ends[-1])) - np.repeat(starts, lengths)
-    owner = owners(parent, own_from, sample, token_depth)
-    positions = chunk_start[owner] + token_depth - own_from[owner]
+    positions = path_positions(parent, own_from, lengths, chunk_start)
     offsets, seg_parents = _segments(parent_pos)
     return TreeLayout(
         input_ids=input_ids,

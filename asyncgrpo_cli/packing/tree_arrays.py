@@ -30,7 +30,9 @@ MAX_PAIRS = 1 << 21
 
 
 def adjacent_lcp(cat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, a: np.ndarray, b: np.ndarray):
-    """int64 [P]: the LCP of samples ``a[p]`` and ``b[p]`` (flat ids ``cat``, sample ``s`` at ``starts[s]``)."""
+    """int64 [P]: the LCP of samples ``a[p]`` and ``b[p]`` (flat ids ``cat``, sample ``s`` at ``starts[s]``): one
+    vectorized comparison of min(L_a, L_b) tokens per pair, the first mismatch of each pair by its index. (One
+    big-integer XOR per pair of ``bytes`` was measured slower, even for 270-token pairs.)"""
     k = np.minimum(lengths[a], lengths[b])
     ends = np.cumsum(k)
     within = np.arange(int(ends[-1]) if k.size else 0) - np.repeat(ends - k, k)
@@ -115,6 +117,35 @@ def owners(parent: np.ndarray, own_from: np.ndarray, sample: np.ndarray, depth: 
         cur[todo] = parent[cur[todo]]
         todo = todo[depth[todo] < own_from[cur[todo]]]
     return cur
+
+
+def path_positions(parent: np.ndarray, own_from: np.ndarray, lengths: np.ndarray, chunk_start: np.ndarray):
+    """int64 [Σ L]: the packed position of every token of every sample (samples one after another).
+
+    Sample s's path is a few *pieces*, one per sample up its parent chain: s's own chunk places depths
+    [own_from[s], L_s), its parent's chunk the depths below that down to the parent's own_from, and so on to a
+    root chunk (own_from 0). Pieces are found per sample (one pass per chain level); the positions are then one
+    ``repeat`` of each piece's offset (chunk start - chunk own_from) plus the depth.
+    """
+    n = lengths.shape[0]
+    pieces_s, pieces_lo, pieces_hi, pieces_c = [], [], [], []
+    alive, cur, hi = np.arange(n), np.arange(n), lengths.copy()
+    while alive.size:
+        lo = own_from[cur]
+        keep = lo < hi
+        pieces_s.append(alive[keep])
+        pieces_lo.append(lo[keep])
+        pieces_hi.append(hi[keep])
+        pieces_c.append(cur[keep])
+        hi = np.minimum(hi, lo)
+        more = hi > 0
+        alive, cur, hi = alive[more], parent[cur[more]], hi[more]
+    s, lo, hi, c = (np.concatenate(x) for x in (pieces_s, pieces_lo, pieces_hi, pieces_c))
+    order = np.lexsort((lo, s))
+    lo, size, c = lo[order], (hi - lo)[order], c[order]
+    ends = np.cumsum(size)
+    depth = np.repeat(lo - (ends - size), size) + np.arange(int(ends[-1]))
+    return np.repeat(chunk_start[c] - own_from[c], size) + depth
 
 
 def preorder(anchor: np.ndarray, anchor_depth: np.ndarray, group: np.ndarray) -> np.ndarray:

@@ -210,14 +210,16 @@ def _gather_extras(samples: Sequence[TrainingSequence], trained: np.ndarray) -> 
     for name in names:
         extras = [sample.token_extras.get(name) for sample in samples]
         kind = type(next(e for e in extras if e is not None))
-        for i, (extra, n) in enumerate(zip(extras, counts, strict=True)):
-            if extra is not None and len(extra) != n:
+        fast = kind in (TopK, TeacherTopK) and all(e is None or type(e) is kind for e in extras)
+        rows = (None if e is None else e.ids.shape[0] if fast else len(e) for e in extras)
+        for i, (m, n) in enumerate(zip(rows, counts, strict=True)):
+            if m is not None and m != n:
                 sample = samples[i]
                 raise ValueError(
                     f"sample {i} ({sample.rollout_id or 'no rollout id'}) has {n} trained tokens but "
-                    f"{len(extra)} rows in token_extras[{name!r}] (one per trained token)"
+                    f"{m} rows in token_extras[{name!r}] (one per trained token)"
                 )
-        if kind in (TopK, TeacherTopK) and all(e is None or type(e) is kind for e in extras):
+        if fast:
             merged = _concat_topk(kind, extras, trained)
         else:
             merged = kind.concat(

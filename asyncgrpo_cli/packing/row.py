@@ -230,12 +230,14 @@ def _gather_extras(samples: Sequence[TrainingSequence], trained: np.ndarray) -> 
 
 
 def gather_loss_terms(
-    samples: Sequence[TrainingSequence], packed_positions: Sequence[np.ndarray] | np.ndarray
+    samples: Sequence[TrainingSequence],
+    packed_positions: Sequence[np.ndarray] | np.ndarray | Callable[[np.ndarray], np.ndarray],
 ) -> dict[str, Any]:
     """Per-trained-token loss terms of ``samples``.
 
     ``packed_positions[s][i]`` is the packed row position of token ``i`` of sample ``s`` (or one flat array:
-    every sample's positions one after another). For each trained token ``t`` (``train_mask[t]``, t >= 1):
+    every sample's positions one after another; or a function mapping flat token indices to positions, so only
+    the predecessors of trained tokens are looked up). For each trained token ``t`` (``train_mask[t]``, t >= 1):
     ``pred_index = packed_positions[s][t - 1]``, ``target_ids = input_ids[t]``, plus the sample's sampler
     log-prob, advantage, index, candidate set (``support_ids``) and token extras (``extras``, by name). Returns the
     ``PackedRow`` loss fields. The row's arrays are concatenated once and indexed by the flat trained positions,
@@ -259,12 +261,15 @@ def gather_loss_terms(
     trained = np.bincount(owner, minlength=n).astype(np.int64)
     out: dict[str, Any] = {}
     if n:
-        positions = (
-            packed_positions if isinstance(packed_positions, np.ndarray) else np.concatenate(packed_positions)
-        )
+        if callable(packed_positions):
+            pred = packed_positions(flat - 1)
+        elif isinstance(packed_positions, np.ndarray):
+            pred = packed_positions[flat - 1]
+        else:
+            pred = np.concatenate(packed_positions)[flat - 1]
         adv = np.array([s.advantage for s in samples])
         terms = {
-            "pred_index": np.asarray(positions)[flat - 1],
+            "pred_index": pred,
             "target_ids": np.concatenate([s.input_ids for s in samples])[flat],
             "sampler_logprobs": np.concatenate([s.sampler_logprobs for s in samples])[flat],
             "advantages": np.repeat(adv, trained),

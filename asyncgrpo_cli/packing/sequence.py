@@ -33,6 +33,10 @@ from asyncgrpo_cli.packing.row import PackedRow, gather_loss_terms
 from asyncgrpo_cli.samples import TrainingSequence
 
 
+def _same(flat: np.ndarray) -> np.ndarray:
+    return flat
+
+
 class SequencePacker:
     """Packs one row's samples by concatenation (no prefix sharing); see the module docstring for the layout."""
 
@@ -52,7 +56,7 @@ class SequencePacker:
         total = int(ends[-1])
         positions = np.arange(total) - np.repeat(ends - lengths, lengths)
         input_ids = np.concatenate([s.input_ids for s in samples]).astype(np.int64, copy=False)
-        terms = gather_loss_terms(samples, np.arange(total))
+        terms = gather_loss_terms(samples, _same)  # a flat token index is its packed position
         return PackedRow(
             input_ids=torch.from_numpy(input_ids)[None],
             position_ids=torch.from_numpy(positions)[None],

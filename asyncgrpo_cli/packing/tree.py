@@ -35,7 +35,7 @@ import torch
 from asyncgrpo_cli.config.schema import PackingConfig
 from asyncgrpo_cli.packing.attention import token_leave
 from asyncgrpo_cli.packing.row import PackedRow, gather_loss_terms
-from asyncgrpo_cli.packing.tree_arrays import owners, path_positions, placements, preorder
+from asyncgrpo_cli.packing.tree_arrays import owners, path_pieces, placements, preorder
 from asyncgrpo_cli.packing.trie import group_key
 from asyncgrpo_cli.samples import TrainingSequence
 
@@ -46,8 +46,10 @@ class TreeLayout:
 
     ``input_ids`` / ``position_ids`` int64 [T]; ``segment_offsets`` int64 [S + 1] and ``segment_parents`` int64
     [S] (pre-order forest, see ``packing/attention.py``); ``leave`` int64 [T] (DFS interval end of each key);
-    ``positions`` int64 [Σ L]: packed position of each token of each sample (its root-to-leaf path), samples one
-    after another, sample ``s`` at ``positions[sample_offsets[s] : sample_offsets[s + 1]]``.
+    ``sample_offsets`` int64 [n + 1]: sample ``s`` is flat tokens [sample_offsets[s], sample_offsets[s + 1]) of
+    the samples laid one after another. Where each flat token sits in the row is kept as path pieces
+    (``piece_start`` / ``piece_shift``, see ``tree_arrays.path_pieces``): :meth:`locate` maps any flat tokens,
+    :attr:`positions` all of them.
     """
 
     input_ids: np.ndarray
@@ -55,12 +57,24 @@ class TreeLayout:
     segment_offsets: np.ndarray
     segment_parents: np.ndarray
     leave: np.ndarray
-    positions: np.ndarray
     sample_offsets: np.ndarray
+    piece_start: np.ndarray
+    piece_shift: np.ndarray
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def locate(self, flat: np.ndarray) -> np.ndarray:
+        """int64: the packed position of each flat token index in ``flat``."""
+        return flat + self.piece_shift[np.searchsorted(self.piece_start, flat, side="right") - 1]
+
+    @property
+    def positions(self) -> np.ndarray:
+        """int64 [Σ L]: the packed position of every token of every sample (its root-to-leaf path)."""
+        total = int(self.sample_offsets[-1])
+        sizes = np.diff(np.append(self.piece_start, total))
+        return np.arange(total) + np.repeat(self.piece_shift, sizes)
 
     @property
     def sample_positions(self) -> list[np.ndarray]:
@@ -127,7 +141,7 @@ def tree_layout(samples: Sequence[TrainingSequence]) -> TreeLayout:
         chunk_start[np.maximum(head_anchor, 0)] + head_a - own_from[np.maximum(head_anchor, 0)],
         -1,
     )
-    positions = path_positions(parent, own_from, lengths, chunk_start)
+    piece_start, piece_shift = path_pieces(parent, own_from, lengths, chunk_start)
     offsets, seg_parents = _segments(parent_pos)
     return TreeLayout(
         input_ids=input_ids,
@@ -135,8 +149,9 @@ def tree_layout(samples: Sequence[TrainingSequence]) -> TreeLayout:
         segment_offsets=offsets,
         segment_parents=seg_parents,
         leave=token_leave(offsets, seg_parents),
-        positions=positions,
         sample_offsets=np.concatenate([[0], ends]).astype(np.int64),
+        piece_start=piece_start,
+        piece_shift=piece_shift,
     )
 
 
@@ -175,7 +190,7 @@ class TreePacker:
     def pack(self, samples: Sequence[TrainingSequence]) -> TreeRow:
         """The packed row of ``samples`` (at least one, each non-empty)."""
         layout = tree_layout(samples)
-        terms = gather_loss_terms(samples, layout.positions)
+        terms = gather_loss_terms(samples, layout.locate)
         return TreeRow(
             input_ids=torch.from_numpy(layout.input_ids)[None],
             position_ids=torch.from_numpy(layout.position_ids)[None],

@@ -8,8 +8,9 @@ the group, found without comparing every pair token by token:
 
   1. sort the row's samples by (group, token ids lexicographically, row index) (Python's sort on ``bytes``:
      memcmp), so each group is one run and identical samples keep row order;
-  2. the LCP of each adjacent pair in that order: one vectorized comparison over min(L_a, L_b) tokens per pair
-     (Σ of them is at most the row's unpacked tokens), the first mismatch per pair by a cumulative index;
+  2. the LCP of each adjacent pair in that order: one vectorized comparison per pair, from the prefix the whole
+     group shares (the LCP of its first and last samples in that order) to min(L_a, L_b), so a shared prompt
+     is compared once per group, not once per sample;
   3. the LCP of any two samples of a group is the minimum of the adjacent LCPs between them in sorted order (a
      lexicographic-order property), so one ``minimum.accumulate`` over a [groups, G, G] array gives every pair;
   4. permuted back to insertion order, ``m`` / ``i*`` / "has a child" are a masked max, argmax (earliest on
@@ -29,20 +30,30 @@ MAX_PAIRS = 1 << 21
 """Largest groups x G x G array step 3 builds; above it :func:`placements` inserts into :class:`GroupTrie`."""
 
 
-def adjacent_lcp(cat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, a: np.ndarray, b: np.ndarray):
-    """int64 [P]: the LCP of samples ``a[p]`` and ``b[p]`` (flat ids ``cat``, sample ``s`` at ``starts[s]``): one
-    vectorized comparison of min(L_a, L_b) tokens per pair, the first mismatch of each pair by its index. (One
-    big-integer XOR per pair of ``bytes`` was measured slower, even for 270-token pairs.)"""
-    k = np.minimum(lengths[a], lengths[b])
+def adjacent_lcp(
+    cat: np.ndarray,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    a: np.ndarray,
+    b: np.ndarray,
+    skip: np.ndarray | None = None,
+) -> np.ndarray:
+    """int64 [P]: the LCP of samples ``a[p]`` and ``b[p]`` (flat ids ``cat``, sample ``s`` at ``starts[s]``),
+    given that their first ``skip[p]`` tokens are known equal: one vectorized comparison of the tokens from
+    ``skip[p]`` to min(L_a, L_b) of every pair, the first mismatch of each pair found by its index."""
+    skip = np.zeros(a.shape[0], dtype=np.int64) if skip is None else skip
+    k = np.minimum(lengths[a], lengths[b]) - skip
     ends = np.cumsum(k)
     within = np.arange(int(ends[-1]) if k.size else 0) - np.repeat(ends - k, k)
-    neq = np.flatnonzero(cat[np.repeat(starts[a], k) + within] != cat[np.repeat(starts[b], k) + within])
+    neq = np.flatnonzero(
+        cat[np.repeat(starts[a] + skip, k) + within] != cat[np.repeat(starts[b] + skip, k) + within]
+    )
     pair = np.searchsorted(ends, neq, side="right")
     first = np.ones(pair.shape[0], dtype=bool)
     first[1:] = pair[1:] != pair[:-1]
     lcp = k.copy()
     lcp[pair[first]] = within[neq[first]]
-    return lcp
+    return lcp + skip
 
 
 def placements(
@@ -68,9 +79,12 @@ def placements(
     ipos[by_group] = np.arange(n) - gstart[group[by_group]]
     big = np.iinfo(np.int64).max
     adj = np.full((ng, gmax), big, dtype=np.int64)  # adj[g, p]: LCP of sorted p - 1 and p
+    # The LCP of a group's lexicographically first and last samples is the prefix all of its samples share
+    # (the prompt, usually): adjacent pairs are compared from there on only.
+    shared = adjacent_lcp(cat, starts, lengths, order[gstart], order[gstart + sizes - 1])
     same = np.flatnonzero(group[order[:-1]] == group[order[1:]])
     lo, hi = order[same], order[same + 1]
-    adj[group[hi], spos[hi]] = adjacent_lcp(cat, starts, lengths, lo, hi)
+    adj[group[hi], spos[hi]] = adjacent_lcp(cat, starts, lengths, lo, hi, shared[group[hi]])
     col = np.arange(gmax)
     upper = np.where(col[None, None, :] > col[None, :, None], adj[:, None, :], big)
     lcp_sorted = np.minimum.accumulate(upper, axis=2)
@@ -119,33 +133,33 @@ def owners(parent: np.ndarray, own_from: np.ndarray, sample: np.ndarray, depth: 
     return cur
 
 
-def path_positions(parent: np.ndarray, own_from: np.ndarray, lengths: np.ndarray, chunk_start: np.ndarray):
-    """int64 [Σ L]: the packed position of every token of every sample (samples one after another).
+def path_pieces(
+    parent: np.ndarray, own_from: np.ndarray, lengths: np.ndarray, chunk_start: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(flat start, packed shift) int64 [K] of the *pieces* of every sample's path, in token order.
 
-    Sample s's path is a few *pieces*, one per sample up its parent chain: s's own chunk places depths
+    Sample s's path is a few pieces, one per sample up its parent chain: s's own chunk places depths
     [own_from[s], L_s), its parent's chunk the depths below that down to the parent's own_from, and so on to a
-    root chunk (own_from 0). Pieces are found per sample (one pass per chain level); the positions are then one
-    ``repeat`` of each piece's offset (chunk start - chunk own_from) plus the depth.
+    root chunk (own_from 0); found per sample, one pass per chain level. A piece covers flat tokens (samples one
+    after another) from its start to the next piece's; token f of a piece sits at packed position f + shift.
     """
     n = lengths.shape[0]
-    pieces_s, pieces_lo, pieces_hi, pieces_c = [], [], [], []
+    pieces_s, pieces_lo, pieces_c = [], [], []
     alive, cur, hi = np.arange(n), np.arange(n), lengths.copy()
     while alive.size:
         lo = own_from[cur]
         keep = lo < hi
         pieces_s.append(alive[keep])
         pieces_lo.append(lo[keep])
-        pieces_hi.append(hi[keep])
         pieces_c.append(cur[keep])
         hi = np.minimum(hi, lo)
         more = hi > 0
         alive, cur, hi = alive[more], parent[cur[more]], hi[more]
-    s, lo, hi, c = (np.concatenate(x) for x in (pieces_s, pieces_lo, pieces_hi, pieces_c))
+    s, lo, c = (np.concatenate(x) for x in (pieces_s, pieces_lo, pieces_c))
     order = np.lexsort((lo, s))
-    lo, size, c = lo[order], (hi - lo)[order], c[order]
-    ends = np.cumsum(size)
-    depth = np.repeat(lo - (ends - size), size) + np.arange(int(ends[-1]))
-    return np.repeat(chunk_start[c] - own_from[c], size) + depth
+    s, lo, c = s[order], lo[order], c[order]
+    flat = (np.cumsum(lengths) - lengths)[s] + lo
+    return flat, chunk_start[c] - own_from[c] + lo - flat
 
 
 def preorder(anchor: np.ndarray, anchor_depth: np.ndarray, group: np.ndarray) -> np.ndarray:

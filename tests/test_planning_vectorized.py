@@ -345,3 +345,23 @@ def test_invalid_rows_are_refused_like_the_reference():
                 new.pack(samples)
             if not want.startswith("index"):
                 assert str(got.value).split(":")[0] == want.split(":")[0], (what, str(got.value), want)
+
+
+def test_bench_planning_prints_every_case(capsys):
+    from asyncgrpo_cli.bench.planning import main, parse_options
+    from asyncgrpo_cli.errors import UserError
+
+    main(["samples=64", "repeats=1", "token_budget=512"])
+    out = capsys.readouterr().out
+    assert "64 samples in groups of 16" in out
+    for case in (
+        "sequence / token budget",
+        "sequence / fixed count",
+        "tree / token budget",
+        "tree / fixed count",
+    ):
+        assert f"| {case} |" in out
+    with pytest.raises(UserError, match="KEY in samples, group_size"):
+        parse_options(["budget=4"])
+    with pytest.raises(UserError, match="repeats='x' is not an integer"):
+        parse_options(["repeats=x"])

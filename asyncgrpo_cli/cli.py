@@ -388,6 +388,7 @@ def _bench(args: list[str]) -> None:
         "trainer": "asyncgrpo_cli.bench.trainer:main",
         "weight-sync": "asyncgrpo_cli.bench.weight_sync:main",
         "prefix-reuse": "asyncgrpo_cli.bench.prefix_reuse:main",
+        "planning": "asyncgrpo_cli.bench.planning:main",
     }
     if not args or args[0] not in benches:
         raise UserError(f"asyncgrpo bench NAME [OVERRIDES]; benchmarks: {', '.join(benches)}")

@@ -57,18 +57,23 @@ def check_segments(offsets: np.ndarray, parents: np.ndarray) -> None:
 
 
 def segment_leave(offsets: np.ndarray, parents: np.ndarray) -> np.ndarray:
-    """int64 [S]: end (exclusive) of each segment's subtree. One pass over segments (children before parents).
+    """int64 [S]: end (exclusive) of each segment's subtree: the largest end of a segment below it (itself
+    included). Every segment hands its end and size to all its ancestors, one array pass per tree level.
 
     Raises ValueError when a subtree is not contiguous (the layout is not depth-first).
     """
     check_segments(offsets, parents)
-    leave = offsets[1:].astype(np.int64, copy=True)
-    size = np.diff(offsets).astype(np.int64)
-    for s in range(parents.shape[0] - 1, 0, -1):  # per segment, not per token
-        p = parents[s]
-        if p >= 0:
-            leave[p] = max(leave[p], leave[s])
-            size[p] += size[s]
+    ends = offsets[1:].astype(np.int64, copy=True)
+    own = np.diff(offsets).astype(np.int64)
+    leave, size = ends.copy(), own.copy()
+    up = parents.astype(np.int64, copy=True)
+    todo = np.flatnonzero(up >= 0)
+    while todo.size:  # per tree level, not per segment
+        anc = up[todo]
+        np.maximum.at(leave, anc, ends[todo])
+        np.add.at(size, anc, own[todo])
+        up[todo] = parents[anc]
+        todo = todo[up[todo] >= 0]
     if (leave - offsets[:-1] != size).any():
         raise ValueError("segment subtrees are not contiguous: the row is not laid out depth-first")
     return leave

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from asyncgrpo_cli.packing.attention import dense_mask
-from asyncgrpo_cli.samples import CandidateSets, TopK, TrainingSequence
+from asyncgrpo_cli.samples import TeacherTopK, TopK, TrainingSequence
 
 
 @dataclass
@@ -121,80 +121,165 @@ def _as_tensors(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
-def _support_ids(samples: Sequence[TrainingSequence], trained: Sequence[int]) -> torch.Tensor | None:
+def _support_ids(samples: Sequence[TrainingSequence], trained: np.ndarray) -> torch.Tensor | None:
     """The samples' candidate sets, one row per trained token in order ([N, C], -1 padding); None if none has any.
 
     A tree row maps several samples onto one packed position, but the sets stay per sample (per branch), aligned
-    with ``target_ids`` like every other loss term.
+    with ``target_ids`` like every other loss term. Equal to ``CandidateSets.concat(...).padded()`` with
+    ``CandidateSets.empty`` for a sample without sets, built from the sets' sizes in one pass.
     """
     if all(s.sampling_mask is None for s in samples):
         return None
-    parts = []
-    for i, (sample, n) in enumerate(zip(samples, trained, strict=True)):
+    sizes, ids = [], []
+    for i, (sample, n) in enumerate(zip(samples, trained.tolist(), strict=True)):
         sets = sample.sampling_mask
         if sets is None:
-            parts.append(CandidateSets.empty(n))
+            sizes.append(np.zeros(n, np.int64))
         elif len(sets) != n:
             raise ValueError(
                 f"sample {i} ({sample.rollout_id or 'no rollout id'}) has {n} trained tokens but {len(sets)} "
                 "candidate sets (sampling_mask)"
             )
         else:
-            parts.append(sets)
-    return torch.from_numpy(CandidateSets.concat(parts).padded())
+            sizes.append(np.diff(sets.offsets))
+            ids.append(sets.ids)
+    size = np.concatenate(sizes)
+    out = np.full((size.shape[0], int(size.max(initial=0))), -1, dtype=np.int64)
+    rows = np.repeat(np.arange(size.shape[0]), size)
+    cols = np.arange(rows.shape[0]) - np.repeat(np.cumsum(size) - size, size)
+    out[rows, cols] = np.concatenate(ids) if ids else np.zeros(0, np.int32)
+    return torch.from_numpy(out)
 
 
-def _gather_extras(samples: Sequence[TrainingSequence], trained: Sequence[int]) -> dict[str, Any]:
+def _concat_topk(kind: type, extras: list[Any], trained: np.ndarray) -> Any:
+    """``kind.concat`` (``TopK`` or ``TeacherTopK``) of the row's parts, ``kind.empty(n)`` where ``extras[i]`` is
+    None, written into one preallocated [N, K] pair of arrays per width instead of one pair per sample."""
+    starts = np.cumsum(trained) - trained
+    by_width: dict[int, list[int]] = {}
+    for i, p in enumerate(extras):
+        if p is None:
+            continue
+        shape = p.ids.shape
+        if len(shape) != 2 or shape != p.logprobs.shape:
+            raise ValueError(
+                f"top-k ids {shape} and log-probs {p.logprobs.shape} must be [n, K] arrays of one shape"
+            )
+        if shape[1]:
+            by_width.setdefault(shape[1], []).append(i)
+    k = max(by_width, default=0)
+    n_rows = int(trained.sum())
+    every = len(by_width) == 1 and len(by_width.get(k, ())) == len(extras)
+    ids = np.empty((n_rows, k), dtype=np.int64) if every else np.full((n_rows, k), -1, dtype=np.int64)
+    lps = (
+        np.empty((n_rows, k), dtype=np.float32) if every else np.full((n_rows, k), -np.inf, dtype=np.float32)
+    )
+    for w, members in by_width.items():
+        if w == k and len(members) == len(extras):  # every sample, one width: concatenate in place
+            np.concatenate([p.ids for p in extras], out=ids, casting="unsafe")
+            np.concatenate([p.logprobs for p in extras], out=lps, casting="unsafe")
+            np.copyto(lps, -np.inf, where=ids < 0)
+            continue
+        part_ids = np.concatenate([extras[i].ids for i in members])
+        part_lps = np.where(part_ids >= 0, np.concatenate([extras[i].logprobs for i in members]), -np.inf)
+        if len(members) == len(extras):
+            ids[:, :w], lps[:, :w] = part_ids, part_lps
+        else:
+            m = np.asarray(members)
+            rows = np.repeat(starts[m] - (np.cumsum(trained[m]) - trained[m]), trained[m])
+            rows += np.arange(rows.shape[0])
+            ids[rows, :w], lps[rows, :w] = part_ids, part_lps
+    if kind is TopK:
+        return TopK(ids, lps)
+    names = {p.teacher_names for p in extras if p is not None and p.teacher_names}
+    if len(names) > 1:
+        raise ValueError(f"teacher scores of one row name different teacher sets: {sorted(names)}")
+    teacher = [
+        np.full(int(n), -1, dtype=np.int64) if p is None else np.asarray(p.teacher, dtype=np.int64)
+        for p, n in zip(extras, trained, strict=True)
+    ]
+    return TeacherTopK(ids, lps, teacher=np.concatenate(teacher), teacher_names=next(iter(names), ()))
+
+
+def _gather_extras(samples: Sequence[TrainingSequence], trained: np.ndarray) -> dict[str, Any]:
     """Every token extra any sample of the row carries, by name: the samples' rows one after another (aligned
-    with ``target_ids``), ``empty`` rows for a sample without it, numpy fields turned into tensors."""
+    with ``target_ids``), ``empty`` rows for a sample without it, numpy fields turned into tensors. ``TopK`` and
+    ``TeacherTopK`` extras are concatenated by :func:`_concat_topk` (the same arrays as their ``concat``)."""
     names = dict.fromkeys(name for sample in samples for name in sample.token_extras)
+    counts = trained.tolist()
     out = {}
     for name in names:
-        kind = type(next(s.token_extras[name] for s in samples if name in s.token_extras))
-        parts = []
-        for i, (sample, n) in enumerate(zip(samples, trained, strict=True)):
-            extra = sample.token_extras.get(name)
-            if extra is None:
-                parts.append(kind.empty(n))
-            elif len(extra) != n:
+        extras = [sample.token_extras.get(name) for sample in samples]
+        kind = type(next(e for e in extras if e is not None))
+        fast = kind in (TopK, TeacherTopK) and all(e is None or type(e) is kind for e in extras)
+        rows = (None if e is None else e.ids.shape[0] if fast else len(e) for e in extras)
+        for i, (m, n) in enumerate(zip(rows, counts, strict=True)):
+            if m is not None and m != n:
+                sample = samples[i]
                 raise ValueError(
                     f"sample {i} ({sample.rollout_id or 'no rollout id'}) has {n} trained tokens but "
-                    f"{len(extra)} rows in token_extras[{name!r}] (one per trained token)"
+                    f"{m} rows in token_extras[{name!r}] (one per trained token)"
                 )
-            else:
-                parts.append(extra)
-        out[name] = _map_arrays(kind.concat(parts), np.ndarray, _as_tensors)
+        if fast:
+            merged = _concat_topk(kind, extras, trained)
+        else:
+            merged = kind.concat(
+                [kind.empty(n) if e is None else e for e, n in zip(extras, counts, strict=True)]
+            )
+        out[name] = _map_arrays(merged, np.ndarray, _as_tensors)
     return out
 
 
 def gather_loss_terms(
-    samples: Sequence[TrainingSequence], packed_positions: Sequence[np.ndarray]
+    samples: Sequence[TrainingSequence],
+    packed_positions: Sequence[np.ndarray] | np.ndarray | Callable[[np.ndarray], np.ndarray],
 ) -> dict[str, Any]:
     """Per-trained-token loss terms of ``samples``.
 
-    ``packed_positions[s][i]`` is the packed row position of token ``i`` of sample ``s``. For each trained token
-    ``t`` (``train_mask[t]``, t >= 1): ``pred_index = packed_positions[s][t - 1]``, ``target_ids = input_ids[t]``,
-    plus the sample's sampler log-prob, advantage, index, candidate set (``support_ids``) and token extras
-    (``extras``, by name). Returns the ``PackedRow`` loss fields.
+    ``packed_positions[s][i]`` is the packed row position of token ``i`` of sample ``s`` (or one flat array:
+    every sample's positions one after another; or a function mapping flat token indices to positions, so only
+    the predecessors of trained tokens are looked up). For each trained token ``t`` (``train_mask[t]``, t >= 1):
+    ``pred_index = packed_positions[s][t - 1]``, ``target_ids = input_ids[t]``, plus the sample's sampler
+    log-prob, advantage, index, candidate set (``support_ids``) and token extras (``extras``, by name). Returns the
+    ``PackedRow`` loss fields. The row's arrays are concatenated once and indexed by the flat trained positions,
+    so the cost is a few array operations per row plus attribute reads per sample.
     """
-    parts: dict[str, list[np.ndarray]] = {name: [] for name in _TERM_DTYPES}
-    for s, (sample, pos) in enumerate(zip(samples, packed_positions, strict=True)):
-        trained = np.flatnonzero(sample.train_mask)
-        if trained.size and trained[0] == 0:
-            raise ValueError(f"sample {s}: token 0 is marked trained but has no predecessor to predict it")
-        parts["pred_index"].append(np.asarray(pos)[trained - 1])
-        parts["target_ids"].append(sample.input_ids[trained])
-        parts["sampler_logprobs"].append(sample.sampler_logprobs[trained])
-        parts["advantages"].append(np.full(trained.size, sample.advantage))
-        parts["sample_index"].append(np.full(trained.size, s))
+    n = len(samples)
+    lengths = np.fromiter((s.input_ids.shape[0] for s in samples), dtype=np.int64, count=n)
+    for name in ("train_mask", "sampler_logprobs"):
+        other = np.fromiter((getattr(s, name).shape[0] for s in samples), dtype=np.int64, count=n)
+        if (bad := np.flatnonzero(other != lengths)).size:
+            raise ValueError(
+                f"sample {bad[0]}: {name} has {other[bad[0]]} entries for {lengths[bad[0]]} input ids"
+            )
+    ends = np.cumsum(lengths)
+    flat = np.flatnonzero(np.concatenate([s.train_mask for s in samples])) if n else np.zeros(0, np.int64)
+    owner = np.searchsorted(ends, flat, side="right")
+    if (first := np.flatnonzero(flat == (ends - lengths)[owner])).size:
+        raise ValueError(
+            f"sample {owner[first[0]]}: token 0 is marked trained but has no predecessor to predict it"
+        )
+    trained = np.bincount(owner, minlength=n).astype(np.int64)
     out: dict[str, Any] = {}
+    if n:
+        if callable(packed_positions):
+            pred = packed_positions(flat - 1)
+        elif isinstance(packed_positions, np.ndarray):
+            pred = packed_positions[flat - 1]
+        else:
+            pred = np.concatenate(packed_positions)[flat - 1]
+        adv = np.array([s.advantage for s in samples])
+        terms = {
+            "pred_index": pred,
+            "target_ids": np.concatenate([s.input_ids for s in samples])[flat],
+            "sampler_logprobs": np.concatenate([s.sampler_logprobs for s in samples])[flat],
+            "advantages": np.repeat(adv, trained),
+            "sample_index": owner,
+        }
     for name, dtype in _TERM_DTYPES.items():
-        empty = np.zeros(0, dtype=dtype)
-        arr = np.concatenate(parts[name]).astype(dtype, copy=False) if parts[name] else empty
+        arr = terms[name].astype(dtype, copy=False) if n else np.zeros(0, dtype=dtype)
         out[name] = _as_tensors(arr)
-    trained_counts = [int(s.train_mask.sum()) for s in samples]
-    out["support_ids"] = _support_ids(samples, trained_counts)
-    out["extras"] = _gather_extras(samples, trained_counts)
+    out["support_ids"] = _support_ids(samples, trained)
+    out["extras"] = _gather_extras(samples, trained)
     return out
 
 

@@ -33,6 +33,10 @@ from asyncgrpo_cli.packing.row import PackedRow, gather_loss_terms
 from asyncgrpo_cli.samples import TrainingSequence
 
 
+def _same(flat: np.ndarray) -> np.ndarray:
+    return flat
+
+
 class SequencePacker:
     """Packs one row's samples by concatenation (no prefix sharing); see the module docstring for the layout."""
 
@@ -45,15 +49,14 @@ class SequencePacker:
         """The packed row of ``samples`` (at least one, each non-empty)."""
         if not samples:
             raise ValueError("cannot pack an empty row: the planner gives every rank at least one sample")
-        lengths = np.array([len(s) for s in samples], dtype=np.int64)
+        lengths = np.fromiter((s.input_ids.shape[0] for s in samples), dtype=np.int64, count=len(samples))
         if (lengths == 0).any():
             raise ValueError(f"cannot pack an empty sample (lengths {lengths.tolist()})")
-        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        total = int(lengths.sum())
-        positions = np.arange(total) - np.repeat(offsets, lengths)
-        input_ids = np.concatenate([np.asarray(s.input_ids, dtype=np.int64) for s in samples])
-        packed_positions = [o + np.arange(n) for o, n in zip(offsets, lengths, strict=True)]
-        terms = gather_loss_terms(samples, packed_positions)
+        ends = np.cumsum(lengths)
+        total = int(ends[-1])
+        positions = np.arange(total) - np.repeat(ends - lengths, lengths)
+        input_ids = np.concatenate([s.input_ids for s in samples]).astype(np.int64, copy=False)
+        terms = gather_loss_terms(samples, _same)  # a flat token index is its packed position
         return PackedRow(
             input_ids=torch.from_numpy(input_ids)[None],
             position_ids=torch.from_numpy(positions)[None],

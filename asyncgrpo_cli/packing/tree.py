@@ -19,8 +19,9 @@ Worked example (``r0 = p1 p2 p3 a1 a2``, ``r1 = p1 p2 p3 b1 b2``)::
     segment       S0 S0 S1 S1 S1 S2 S2 S2      S1 and S2 hang below S0
     r0 predicted at 2, 3 (a1, a2); r1 at 5, 6 (b1, b2); 8 forwarded tokens instead of 10
 
-Everything is per-sample numpy (no per-token Python loop) and nothing is O(T²): the row carries the DFS intervals
-(``leave``), rendered as a mask only for the model's kernel (``model/logprobs.py``).
+Everything is array operations over the whole row (no per-sample numpy call, no per-token Python loop;
+``packing/tree_arrays.py``) and nothing is O(T²): the row carries the DFS intervals (``leave``), rendered as a
+mask only for the model's kernel (``model/logprobs.py``).
 """
 
 from __future__ import annotations
@@ -34,17 +35,21 @@ import torch
 from asyncgrpo_cli.config.schema import PackingConfig
 from asyncgrpo_cli.packing.attention import token_leave
 from asyncgrpo_cli.packing.row import PackedRow, gather_loss_terms
-from asyncgrpo_cli.packing.trie import GroupTrie, group_key
+from asyncgrpo_cli.packing.tree_arrays import owners, path_pieces, placements, preorder
+from asyncgrpo_cli.packing.trie import group_key
 from asyncgrpo_cli.samples import TrainingSequence
 
 
 @dataclass
 class TreeLayout:
-    """A row's forward layout, as numpy arrays (T forwarded tokens, S segments).
+    """A row's forward layout, as numpy arrays (T forwarded tokens, S segments, n samples).
 
     ``input_ids`` / ``position_ids`` int64 [T]; ``segment_offsets`` int64 [S + 1] and ``segment_parents`` int64
     [S] (pre-order forest, see ``packing/attention.py``); ``leave`` int64 [T] (DFS interval end of each key);
-    ``sample_positions[s]`` int64 [L_s]: packed position of each token of sample ``s`` (its root-to-leaf path).
+    ``sample_offsets`` int64 [n + 1]: sample ``s`` is flat tokens [sample_offsets[s], sample_offsets[s + 1]) of
+    the samples laid one after another. Where each flat token sits in the row is kept as path pieces
+    (``piece_start`` / ``piece_shift``, see ``tree_arrays.path_pieces``): :meth:`locate` maps any flat tokens,
+    :attr:`positions` all of them.
     """
 
     input_ids: np.ndarray
@@ -52,89 +57,107 @@ class TreeLayout:
     segment_offsets: np.ndarray
     segment_parents: np.ndarray
     leave: np.ndarray
-    sample_positions: list[np.ndarray]
+    sample_offsets: np.ndarray
+    piece_start: np.ndarray
+    piece_shift: np.ndarray
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def locate(self, flat: np.ndarray) -> np.ndarray:
+        """int64: the packed position of each flat token index in ``flat``."""
+        return flat + self.piece_shift[np.searchsorted(self.piece_start, flat, side="right") - 1]
 
-@dataclass
-class _GroupLayout:
-    ids: list[np.ndarray]  # per placed chunk, in layout order
-    depths: list[np.ndarray]
-    parent_pos: np.ndarray  # [T_g] packed parent placement (group-local), -1 for roots
-    positions: list[np.ndarray]  # per group sample, group-local
+    @property
+    def positions(self) -> np.ndarray:
+        """int64 [Σ L]: the packed position of every token of every sample (its root-to-leaf path)."""
+        total = int(self.sample_offsets[-1])
+        sizes = np.diff(np.append(self.piece_start, total))
+        return np.arange(total) + np.repeat(self.piece_shift, sizes)
+
+    @property
+    def sample_positions(self) -> list[np.ndarray]:
+        """``positions`` split per sample."""
+        return np.split(self.positions, self.sample_offsets[1:-1])
 
 
-def _layout_group(samples: Sequence[np.ndarray]) -> _GroupLayout:
-    """Insert one group's samples into a trie and lay its chunks out depth-first (group-local positions)."""
-    trie = GroupTrie()
-    for ids in samples:
-        trie.insert(ids)
-    own_from = np.asarray(trie.own_from, dtype=np.int64)
-    lengths = np.asarray(trie.lengths, dtype=np.int64)
-    placed = np.flatnonzero(own_from < lengths)
-    children: dict[int, list[tuple[int, int]]] = {}
-    roots: list[int] = []
-    anchors: dict[int, tuple[int, int]] = {}
-    for j in placed.tolist():
-        c, a = trie.anchor(j)
-        anchors[j] = (c, a)
-        if c < 0:
-            roots.append(j)
-        else:
-            children.setdefault(c, []).append((-a, j))  # deepest anchor first, then earliest sample
-    order: list[int] = []
-    stack = roots[::-1]
-    while stack:
-        c = stack.pop()
-        order.append(c)
-        stack.extend(j for _, j in sorted(children.get(c, ()), reverse=True))
-    sizes = lengths[order] - own_from[order]
-    starts = np.zeros(lengths.shape[0], dtype=np.int64)
-    starts[order] = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    parent_pos = np.arange(-1, int(sizes.sum()) - 1, dtype=np.int64)
-    for c in order:
-        anchor_chunk, depth = anchors[c]
-        parent_pos[starts[c]] = (
-            -1 if anchor_chunk < 0 else starts[anchor_chunk] + depth - own_from[anchor_chunk]
+def _check_ids(samples: Sequence[TrainingSequence]) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """(ids, lengths, concatenated int64 ids) of the row; ValueError naming the first sample that is not a
+    non-empty 1-D array of ids >= 0."""
+    ids = [x if isinstance(x := s.input_ids, np.ndarray) else np.asarray(x, dtype=np.int64) for s in samples]
+    lengths = np.fromiter((x.shape[0] if x.ndim == 1 else 0 for x in ids), dtype=np.int64, count=len(ids))
+    bad = np.flatnonzero(lengths == 0)
+    scan = ids[: int(bad[0])] if bad.size else ids
+    cat = np.concatenate(scan).astype(np.int64, copy=False) if scan else np.zeros(0, np.int64)
+    first = int(bad[0]) if bad.size else -1
+    if cat.size and int(cat.min()) < 0:
+        first = int(np.searchsorted(np.cumsum(lengths[: len(scan)]), int(np.argmax(cat < 0)), side="right"))
+    if first >= 0:
+        raise ValueError(
+            f"sample {first}: input_ids must be a non-empty 1-D array of ids >= 0 (shape {ids[first].shape})"
         )
-    positions = [starts[o] + np.arange(o.shape[0]) - own_from[o] for o in trie.owners]
-    return _GroupLayout(
-        ids=[samples[c][own_from[c] :] for c in order],
-        depths=[np.arange(own_from[c], lengths[c]) for c in order],
-        parent_pos=parent_pos,
-        positions=positions,
-    )
+    return ids, lengths, cat
 
 
 def tree_layout(samples: Sequence[TrainingSequence]) -> TreeLayout:
-    """The :class:`TreeLayout` of one row's samples (at least one, each non-empty; token ids >= 0)."""
+    """The :class:`TreeLayout` of one row's samples (at least one, each non-empty; token ids >= 0).
+
+    Array operations over the whole row (``packing/tree_arrays.py``): each sample's placement (parent sample and
+    first own depth), its chunk's anchor, the depth-first order of the chunks, then every token's packed position
+    by gathers over cumulative sums.
+    """
     if not samples:
         raise ValueError("cannot pack an empty row: the planner gives every rank at least one sample")
-    ids = [np.asarray(s.input_ids, dtype=np.int64) for s in samples]
-    for i, x in enumerate(ids):
-        if x.ndim != 1 or x.shape[0] == 0 or int(x.min()) < 0:
-            raise ValueError(
-                f"sample {i}: input_ids must be a non-empty 1-D array of ids >= 0 (shape {x.shape})"
-            )
-    groups: dict[Hashable, list[int]] = {}
-    for i, s in enumerate(samples):
-        groups.setdefault(group_key(s), []).append(i)
-    parts_ids, parts_depth, parts_parent = [], [], []
-    sample_positions: list[np.ndarray] = [np.empty(0, np.int64)] * len(samples)
-    offset = 0
-    for members in groups.values():
-        g = _layout_group([ids[i] for i in members])
-        parts_ids += g.ids
-        parts_depth += g.depths
-        parts_parent.append(np.where(g.parent_pos >= 0, g.parent_pos + offset, -1))
-        for i, pos in zip(members, g.positions, strict=True):
-            sample_positions[i] = pos + offset
-        offset += g.parent_pos.shape[0]
-    # A segment starts at a root, at a token not hanging below its left neighbour, and after a fork.
-    parent = np.concatenate(parts_parent)
+    ids, lengths, cat = _check_ids(samples)
+    n = len(ids)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    first: dict[Hashable, int] = {}
+    group = np.array([first.setdefault(group_key(s), len(first)) for s in samples], dtype=np.int64)
+    parent, own_from = placements(cat, starts, lengths, group)
+    chunks = np.flatnonzero(own_from < lengths)  # samples that place tokens, ascending
+    a = own_from[chunks] - 1  # the depth each chunk hangs below (-1: a root)
+    hung = np.flatnonzero(a >= 0)
+    anchor_sample = np.full(chunks.shape[0], -1, dtype=np.int64)
+    anchor_sample[hung] = owners(parent, own_from, parent[chunks[hung]], a[hung])
+    chunk_index = np.full(n, -1, dtype=np.int64)
+    chunk_index[chunks] = np.arange(chunks.shape[0])
+    anchor = np.where(anchor_sample >= 0, chunk_index[np.maximum(anchor_sample, 0)], -1)
+    order = preorder(anchor, np.maximum(a, 0), group[chunks])
+    placed = chunks[order]
+    sizes = lengths[placed] - own_from[placed]
+    chunk_ends = np.cumsum(sizes)
+    total = int(chunk_ends[-1])
+    chunk_start = np.zeros(n, dtype=np.int64)
+    chunk_start[placed] = chunk_ends - sizes
+    step = np.arange(total) - np.repeat(chunk_ends - sizes, sizes)  # index within the chunk
+    depth = np.repeat(own_from[placed], sizes) + step
+    input_ids = cat[np.repeat(starts[placed], sizes) + depth]
+    parent_pos = np.arange(-1, total - 1, dtype=np.int64)
+    head_anchor, head_a = anchor_sample[order], a[order]
+    parent_pos[chunk_start[placed]] = np.where(
+        head_anchor >= 0,
+        chunk_start[np.maximum(head_anchor, 0)] + head_a - own_from[np.maximum(head_anchor, 0)],
+        -1,
+    )
+    piece_start, piece_shift = path_pieces(parent, own_from, lengths, chunk_start)
+    offsets, seg_parents = _segments(parent_pos)
+    return TreeLayout(
+        input_ids=input_ids,
+        position_ids=depth,
+        segment_offsets=offsets,
+        segment_parents=seg_parents,
+        leave=token_leave(offsets, seg_parents),
+        sample_offsets=np.concatenate([[0], ends]).astype(np.int64),
+        piece_start=piece_start,
+        piece_shift=piece_shift,
+    )
+
+
+def _segments(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, parents) of the segments of a pre-order row with token parents ``parent``: a segment starts at a
+    root, at a token not hanging below its left neighbour, and after a fork."""
     total = parent.shape[0]
     num_children = np.bincount(parent[parent >= 0], minlength=total)
     new_segment = parent != np.arange(-1, total - 1)
@@ -144,15 +167,7 @@ def tree_layout(samples: Sequence[TrainingSequence]) -> TreeLayout:
     seg_id = np.cumsum(new_segment) - 1
     head_parent = parent[seg_starts]
     seg_parents = np.where(head_parent >= 0, seg_id[np.maximum(head_parent, 0)], -1)
-    offsets = np.append(seg_starts, total).astype(np.int64)
-    return TreeLayout(
-        input_ids=np.concatenate(parts_ids),
-        position_ids=np.concatenate(parts_depth).astype(np.int64),
-        segment_offsets=offsets,
-        segment_parents=seg_parents.astype(np.int64),
-        leave=token_leave(offsets, seg_parents),
-        sample_positions=sample_positions,
-    )
+    return np.append(seg_starts, total).astype(np.int64), seg_parents.astype(np.int64)
 
 
 @dataclass
@@ -175,7 +190,7 @@ class TreePacker:
     def pack(self, samples: Sequence[TrainingSequence]) -> TreeRow:
         """The packed row of ``samples`` (at least one, each non-empty)."""
         layout = tree_layout(samples)
-        terms = gather_loss_terms(samples, layout.sample_positions)
+        terms = gather_loss_terms(samples, layout.locate)
         return TreeRow(
             input_ids=torch.from_numpy(layout.input_ids)[None],
             position_ids=torch.from_numpy(layout.position_ids)[None],
@@ -184,7 +199,7 @@ class TreePacker:
             num_forwarded=layout.num_tokens,
             num_trained=int(terms["target_ids"].shape[0]),
             num_samples=len(samples),
-            num_unpacked=sum(len(s) for s in samples),
+            num_unpacked=int(layout.sample_offsets[-1]),
             segment_offsets=torch.from_numpy(layout.segment_offsets),
             segment_parents=torch.from_numpy(layout.segment_parents),
         )

@@ -25,8 +25,9 @@ let a row of identical samples grow without end). Placement of a sample (referen
 
 Every emitted micro-batch has a non-empty row on every rank: an admissible sample (length <= budget) fits an
 empty row, and rules 2-3 use an empty row before emitting. A sample longer than ``token_budget`` is dropped and
-counted in ``dropped_oversize_count``. The work per sample is one trie probe per row holding its group (a numpy
-comparison against that group's samples) plus numpy operations over ``num_ranks`` entries.
+counted in ``dropped_oversize_count``. The work per sample is one trie probe per row holding its group (a walk
+down the group's radix trie, ``packing/trie.py``) plus scans of ``num_ranks`` Python integers; no numpy call
+runs per sample beyond counting its trained tokens.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from asyncgrpo_cli.packing.trie import Attachment, GroupTrie, group_key
 from asyncgrpo_cli.samples import TrainingSequence
 
 logger = logging.getLogger(__name__)
+_INT64, _BOOL = np.dtype(np.int64), np.dtype(np.bool_)
 
 
 class TreeBudgetPlanner:
@@ -59,9 +61,10 @@ class TreeBudgetPlanner:
     def _reset(self) -> None:
         self._rows: list[list[TrainingSequence]] = [[] for _ in range(self.num_ranks)]
         self._tries: list[dict[Hashable, GroupTrie]] = [{} for _ in range(self.num_ranks)]
-        self._tokens = np.zeros(self.num_ranks, dtype=np.int64)
-        self._trained = np.zeros(self.num_ranks, dtype=np.int64)
-        self._cost = np.zeros(self.num_ranks, dtype=np.int64)
+        self._homes: dict[Hashable, list[int]] = {}  # group -> the ranks holding it, ascending
+        self._tokens = [0] * self.num_ranks
+        self._trained = [0] * self.num_ranks
+        self._cost = [0] * self.num_ranks
 
     @property
     def num_open_samples(self) -> int:
@@ -69,7 +72,9 @@ class TreeBudgetPlanner:
 
     def add(self, sample: TrainingSequence) -> MicroBatch | None:
         """Place ``sample``; return the micro-batch it closed, if any (then the sample opens the next one)."""
-        ids = np.asarray(sample.input_ids, dtype=np.int64)
+        ids = sample.input_ids
+        if ids.dtype is not _INT64:
+            ids = np.asarray(ids, dtype=np.int64)
         length = int(ids.shape[0])
         if length == 0:
             raise ValueError("empty sample (no tokens) given to the planner")
@@ -82,53 +87,80 @@ class TreeBudgetPlanner:
                 self.token_budget,
             )
             return None
-        key = group_key(sample)
-        home = np.array([r for r in range(self.num_ranks) if key in self._tries[r]], dtype=np.int64)
-        attachments: dict[int, Attachment] = {r: self._tries[r][key].probe(ids) for r in home.tolist()}
-        new_tokens = np.full(self.num_ranks, length, dtype=np.int64)
-        new_pairs = np.full(self.num_ranks, length * (length + 1) // 2, dtype=np.int64)
-        for r, att in attachments.items():
-            new_tokens[r], new_pairs[r] = att.new_tokens, att.new_pairs
-        trained = sample.num_trained
-        fits = (self._tokens + new_tokens <= self.token_budget) & (
-            self._trained + trained <= self.token_budget
-        )
-        rank = self._choose(fits, home, new_tokens, new_pairs)
+        group = group_key(sample)
+        key = ids.tobytes()
+        mask = sample.train_mask
+        trained = int(np.count_nonzero(mask)) if mask.dtype is _BOOL else sample.num_trained
+        home = self._homes.get(group)
         emitted = None
+        if home is None:
+            rank = self._choose_new(length, trained, None)
+        elif len(home) == 1:  # the usual case: rule 1 has one candidate
+            r = home[0]
+            att = self._tries[r][group].probe(ids, key)
+            if self._tokens[r] + length - att.own_from <= self.token_budget and (
+                self._trained[r] + trained <= self.token_budget
+            ):
+                rank = r
+            else:
+                rank = self._choose_home(length, trained, {r: att})
+        else:
+            tries = self._tries
+            attachments = {r: tries[r][group].probe(ids, key) for r in home}
+            rank = self._choose_home(length, trained, attachments)
         if rank is None:
             emitted = self._emit(self._rows)
-            rank, attachments = 0, {}
-            new_tokens[:], new_pairs[:] = length, length * (length + 1) // 2
+            rank = 0
         tries = self._tries[rank]
-        trie = tries[key] if key in tries else tries.setdefault(key, GroupTrie())
-        trie.insert(ids, attachments.get(rank))
+        trie = tries.get(group)
+        if trie is None:
+            trie = tries[group] = GroupTrie()
+            ranks = self._homes.setdefault(group, [])
+            ranks.append(rank)
+            ranks.sort()
+            trie.probe(ids, key)
+        own = trie.commit().own_from
         self._rows[rank].append(sample)
-        self._tokens[rank] += new_tokens[rank]
+        self._tokens[rank] += length - own
         self._trained[rank] += trained
-        self._cost[rank] += new_pairs[rank]
+        self._cost[rank] += (length * (length + 1) - own * (own + 1)) // 2
         return emitted
 
-    def _choose(
-        self, fits: np.ndarray, home: np.ndarray, new_tokens: np.ndarray, new_pairs: np.ndarray
+    def _choose_home(self, length: int, trained: int, attachments: dict[int, Attachment]) -> int | None:
+        """Rules 1-2 for a sample whose group is open in the ranks of ``attachments`` (its probe in each)."""
+        budget, tokens, cost, done = self.token_budget, self._tokens, self._cost, self._trained
+        trained_ok = budget - trained
+        best, best_key = None, None
+        for r, att in attachments.items():  # rule 1: fewest new tokens, then lowest cost after, then rank
+            new = length - att.own_from
+            if tokens[r] + new <= budget and done[r] <= trained_ok:
+                k = (new, cost[r] + att.new_pairs, r)
+                if best_key is None or k < best_key:
+                    best, best_key = r, k
+        if best is not None:
+            return best
+        for r, row in enumerate(self._rows):  # rule 2: an empty row
+            if not row:
+                return r
+        return self._choose_new(length, trained, attachments, top=max(cost))
+
+    def _choose_new(
+        self, length: int, trained: int, attachments: dict[int, Attachment] | None, top: int | None = None
     ) -> int | None:
-        """The rank for a sample under rules 1-3 of the module docstring; None: emit the micro-batch first."""
-        big = np.iinfo(np.int64).max
-        if home.size:
-            ok = home[fits[home]]
-            if ok.size:
-                order = np.lexsort((ok, self._cost[ok] + new_pairs[ok], new_tokens[ok]))
-                return int(ok[order[0]])
-            empty = np.flatnonzero(np.array([not row for row in self._rows]))
-            if empty.size:
-                return int(empty[0])
-            elsewhere = fits & (self._cost + new_pairs <= self._cost.max())
-            elsewhere[home] = False
-            if not elsewhere.any():
-                return None
-            return int(np.argmin(np.where(elsewhere, self._cost, big)))
-        if not fits.any():
-            return None
-        return int(np.argmin(np.where(fits, self._cost, big)))
+        """The fitting rank of least cost (ties: lowest rank) outside ``attachments``; with ``top``, only one whose
+        cost after adding the sample stays <= top (rule 2); None when there is none (rule 3)."""
+        budget, tokens, cost, done = self.token_budget, self._tokens, self._cost, self._trained
+        trained_ok, limit = budget - trained, budget - length
+        pairs = length * (length + 1) // 2
+        best = None
+        for r in range(self.num_ranks):
+            if tokens[r] > limit or done[r] > trained_ok or (attachments is not None and r in attachments):
+                continue
+            if top is not None and cost[r] + pairs > top:
+                continue
+            if best is None or cost[r] < cost[best]:
+                best = r
+        return best
 
     def flush(self, allow_filler: bool = True) -> MicroBatch | None:
         """Emit the open rows (end of data). None when nothing is open.
@@ -154,9 +186,9 @@ class TreeBudgetPlanner:
         batch = MicroBatch(
             rows=rows,
             samples_per_row=np.array([len(row) for row in rows], dtype=np.int64),
-            tokens_per_row=self._tokens.copy(),
-            trained_per_row=self._trained.copy(),
-            attn_cost_per_row=self._cost.copy(),
+            tokens_per_row=np.array(self._tokens, dtype=np.int64),
+            trained_per_row=np.array(self._trained, dtype=np.int64),
+            attn_cost_per_row=np.array(self._cost, dtype=np.int64),
             token_budget=self.token_budget,
             filler_ranks=filler_ranks,
         )

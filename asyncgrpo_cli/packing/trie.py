@@ -1,6 +1,7 @@
-"""One group's prefix trie, kept as per-sample arrays: shared by the tree packer and the tree planner.
+"""One group's prefix trie: what a sample adds to a tree-packed row, for the tree planner (and ``bench trainer``).
 
-Imports numpy only (no torch), so the planner can run on plain data.
+Imports numpy only (no torch), so the planner can run on plain data. The tree packer lays rows out from the same
+rules with array operations over the whole row (``packing/tree.py``); tests check both against each other.
 
 Placements. A trie node is a distinct token-id prefix. A node is forwarded once per *placement*: a node with
 c >= 2 children (distinct next tokens) is placed c times, once at the head of each child's branch; any other
@@ -10,9 +11,8 @@ ends on a node (a prefix of another sample, or an identical sample) predicts not
 existing placement. Forwarded tokens of a group = Σ_nodes max(1, children); attention pairs = Σ over placements
 of (depth + 1), since a placement sees exactly its root-to-node path.
 
-Samples are inserted in order. Sample j compares against the earlier samples by their longest common prefix
-(numpy, one comparison over a padded [n, width] id matrix); with ``m`` the longest, ``i*`` the earliest sample
-reaching it and ``L`` the sample's length:
+Samples are inserted in order. With ``m`` the longest common prefix of sample j with an earlier sample, ``i*``
+the earliest sample reaching it and ``L`` the sample's length:
 
     m == 0                        a new root: j places depths [0, L)
     m == L                        contained (prefix of / equal to i*): j places nothing, its path is i*'s
@@ -21,19 +21,22 @@ reaching it and ``L`` the sample's length:
     0 < m < L, otherwise          every earlier sample through node m-1 ends there: j extends that leaf,
                                   placing depths [m, L) below i*'s placement at depth m-1
 
-``owner[j][d]`` names the sample whose chunk holds the placement sample j uses at depth d, so a layout that
-gives each chunk a start position maps every sample token to its packed position with one array expression.
+How ``m``, ``i*`` and "node m-1 has a child" are found: the trie is kept compressed (a radix tree). An edge
+holds the token ids of a run of depths as ``bytes`` (8 per token) and its lower node the earliest sample below
+it. A probe walks from the root: one dict lookup on the next token, one ``startswith`` (a memcmp) per whole edge,
+and at most one XOR of two big integers to find where a partially matched edge parts. The match ends at depth
+``m``; ``i*`` is the earliest sample below that point (every sample there shares the first ``m`` tokens and no
+other does); node m-1 has a child iff the match stopped inside an edge or at a node with outgoing edges. So a
+probe costs a few Python operations per trie level on the sample's path, not an array operation per earlier
+sample.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
-
-PAD = -1  # token ids are non-negative, so padding never matches
 
 
 def group_key(sample: Any) -> Hashable:
@@ -41,9 +44,14 @@ def group_key(sample: Any) -> Hashable:
     return (sample.group_id, sample.prompt_seq)
 
 
-@dataclass(frozen=True)
-class Attachment:
-    """Where a new sample goes in a group trie, and what it adds.
+def trie_key(ids: Any) -> bytes:
+    """The bytes a trie compares: the ids as native int64, 8 bytes per token."""
+    return np.asarray(ids, dtype=np.int64).tobytes()
+
+
+class Attachment(NamedTuple):
+    """Where a new sample goes in a group trie, and what it adds (a named tuple: built once per probe, and a
+    frozen dataclass costs ~1 us to build).
 
     ``parent``: the earlier sample (group-local index) whose path it shares below ``own_from`` (-1: none).
     ``own_from``: first depth the sample places itself; its chunk is depths [own_from, length).
@@ -64,67 +72,106 @@ class Attachment:
         return (n * (n + 1) - a * (a + 1)) // 2
 
 
+class _Node:
+    """The lower end of an edge covering depths [start, end) with token bytes ``label``; ``first``: the earliest
+    sample whose path runs through it."""
+
+    __slots__ = ("children", "start", "end", "label", "first")
+
+    def __init__(self, start: int, end: int, label: bytes, first: int) -> None:
+        self.children: dict[bytes, _Node] = {}
+        self.start, self.end, self.label, self.first = start, end, label, first
+
+
+def _common(key: bytes, at: int, label: bytes, n: int) -> int:
+    """How many of the first ``n`` tokens of ``key[at:]`` and ``label`` are equal."""
+    x = int.from_bytes(key[at : at + 8 * n], "big") ^ int.from_bytes(label[: 8 * n], "big")
+    return n if x == 0 else (64 * n - x.bit_length()) // 64
+
+
 class GroupTrie:
     """The samples of one group in insertion order, with their placements (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._ids = np.full((4, 64), PAD, dtype=np.int64)
+        self._root = _Node(0, 0, b"", -1)
         self.lengths: list[int] = []
         self.parents: list[int] = []
         self.own_from: list[int] = []
-        self.owners: list[np.ndarray] = []
         self.num_tokens = 0
         self.num_pairs = 0
+        self._walk: tuple[Attachment, bytes, _Node, _Node | None, int] | None = None
 
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def probe(self, ids: np.ndarray) -> Attachment:
-        """Where ``ids`` (int64 [L], L >= 1, non-negative) would attach; the trie is unchanged."""
-        length = int(ids.shape[0])
-        n = len(self.lengths)
-        if n == 0:
-            return Attachment(parent=-1, own_from=0, length=length)
-        w = min(length, self._ids.shape[1])
-        eq = self._ids[:n, :w] == ids[:w]
-        lcp = np.where(eq.all(axis=1), w, eq.argmin(axis=1))
-        best = int(lcp.argmax())  # earliest among the longest
-        m = int(lcp[best])
+    def probe(self, ids: np.ndarray, key: bytes | None = None) -> Attachment:
+        """Where ``ids`` (int64 [L], L >= 1) would attach; the trie is unchanged. ``key``: ``trie_key(ids)``, when
+        the caller already has it."""
+        key = trie_key(ids) if key is None else key
+        length = len(key) // 8
+        node, child, d = self._root, None, 0
+        while d < length:
+            child = node.children.get(key[8 * d : 8 * d + 8])
+            if child is None:
+                break
+            if child.end <= length and key.startswith(child.label, 8 * d):
+                node, child, d = child, None, child.end
+                continue
+            d += _common(key, 8 * d, child.label, min(child.end, length) - d)
+            break
+        m = d
         if m == 0:
-            return Attachment(parent=-1, own_from=0, length=length)
-        if m == length:
-            return Attachment(parent=best, own_from=length, length=length)
-        lengths = np.asarray(self.lengths)
-        has_child = bool(((lcp == m) & (lengths > m)).any())
-        return Attachment(parent=best, own_from=m - 1 if has_child else m, length=length)
+            att = Attachment(parent=-1, own_from=0, length=length)
+        elif child is not None:  # the match stops inside the edge into ``child``: it continues below m
+            att = Attachment(child.first, length if m == length else m - 1, length)
+        else:  # the match stops at ``node``
+            own = length if m == length else (m - 1 if node.children else m)
+            att = Attachment(node.first, own, length)
+        self._walk = (att, key, node, child, m)
+        return att
 
-    def insert(self, ids: np.ndarray, att: Attachment | None = None) -> Attachment:
-        """Add ``ids`` (as placed by ``att``, probed now when None); returns its attachment."""
+    def insert(self, ids: np.ndarray, att: Attachment | None = None, key: bytes | None = None) -> Attachment:
+        """Add ``ids`` (as placed by ``att``, probed now when None or not this trie's last probe); returns its
+        attachment."""
         ids = np.asarray(ids, dtype=np.int64)
         if ids.ndim != 1 or ids.shape[0] == 0:
             raise ValueError(f"a trie sample must be a non-empty 1-D id array, got shape {ids.shape}")
-        if att is None:
-            att = self.probe(ids)
-        j, length = len(self.lengths), att.length
-        rows, width = self._ids.shape
-        if j == rows or length > width:
-            grown = np.full((2 * rows if j == rows else rows, max(width, length)), PAD, dtype=np.int64)
-            grown[:rows, :width] = self._ids
-            self._ids = grown
-        self._ids[j, :length] = ids
-        own = np.full(length - att.own_from, j, dtype=np.int32)
-        inherited = self.owners[att.parent][: att.own_from] if att.parent >= 0 else own[:0]
-        self.owners.append(np.concatenate([inherited, own]))
+        walk = self._walk
+        if att is None or walk is None or walk[0] is not att:
+            self.probe(ids, key)
+        return self.commit()
+
+    def commit(self) -> Attachment:
+        """Add the sample of the last :meth:`probe` (as it probed); returns its attachment."""
+        walk = self._walk
+        if walk is None:
+            raise RuntimeError("GroupTrie.commit without a probe")
+        att, key, node, child, m = walk
+        self._walk = None
+        length, own = att.length, att.own_from
+        if m < length:  # contained samples change nothing
+            if child is not None:  # split the edge into ``child`` at depth m
+                cut = 8 * (m - child.start)
+                mid = _Node(child.start, m, child.label[:cut], child.first)
+                node.children[child.label[:8]] = mid
+                child.label, child.start = child.label[cut:], m
+                mid.children[child.label[:8]] = child
+                node = mid
+            node.children[key[8 * m : 8 * m + 8]] = _Node(m, length, key[8 * m :], len(self.lengths))
         self.lengths.append(length)
         self.parents.append(att.parent)
-        self.own_from.append(att.own_from)
-        self.num_tokens += att.new_tokens
-        self.num_pairs += att.new_pairs
+        self.own_from.append(own)
+        self.num_tokens += length - own
+        self.num_pairs += (length * (length + 1) - own * (own + 1)) // 2
         return att
 
     def anchor(self, j: int) -> tuple[int, int]:
-        """(chunk, depth) of the placement sample j's chunk hangs below; (-1, -1) for a root chunk."""
+        """(chunk, depth) of the placement sample j's chunk hangs below; (-1, -1) for a root chunk. The chunk is
+        the sample that placed depth ``own_from[j] - 1`` on j's path: up j's parents until one places it."""
         a = self.own_from[j] - 1
         if a < 0:
             return -1, -1
-        return int(self.owners[self.parents[j]][a]), a
+        p = self.parents[j]
+        while a < self.own_from[p]:
+            p = self.parents[p]
+        return p, a

@@ -1,0 +1,183 @@
+"""``asyncgrpo bench planning``: CPU cost of planning and packing one GRPO step, per sample (no model, no torch
+compute): the trainer-side work between the rollout queue and the forward.
+
+Workload (synthetic, seeded): ``samples`` samples in groups of ``group_size`` sharing one prompt. Prompt lengths
+are uniform in [P/2, 3P/2]; completion lengths log-normal around C (sigma 0.6, at least 1 token); a third of the
+completions restart from an earlier completion of their group for a random stretch (shared reasoning openings)
+and one in 16 repeats an earlier one exactly, so tries fork below the prompt too. Every completion token is
+trained, with sampler log-probs and a ``sampler_topk`` extra of width ``topk`` (the default loss's).
+
+For each packer (sequence, tree) and planner (its token-budget planner, and the fixed-count planner of
+``packing.token_budget <= 0`` with ``samples / rows`` samples per row), one repeat plans the whole step
+(``add`` every sample, then ``flush``) and packs every row of every micro-batch. Reported: the median over
+``repeats`` of planning and of packing time, in microseconds per sample, plus the rows and forwarded tokens of the
+plan. Defaults: 2,000 samples, P = C = 16, so Σ L is about 64k tokens, in rows of ``token_budget`` = 16,384.
+
+Usage: asyncgrpo bench planning [samples=2000] [group_size=16] [prompt_len=16] [completion_len=16] [topk=8]
+       [token_budget=16384] [ranks=1] [rows=4] [repeats=5] [seed=0] [profile=0]
+``profile=N`` prints the N most expensive functions (cProfile, cumulative) of one repeat of each case instead.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from asyncgrpo_cli.errors import UserError
+
+
+@dataclass
+class Options:
+    samples: int = 2000
+    group_size: int = 16
+    prompt_len: int = 16
+    completion_len: int = 16
+    topk: int = 8
+    token_budget: int = 16384
+    ranks: int = 1
+    rows: int = 4
+    repeats: int = 5
+    seed: int = 0
+    profile: int = 0
+
+
+def parse_options(argv: list[str]) -> Options:
+    """``key=value`` integer arguments into :class:`Options`; unknown keys and bad values name the key."""
+    opts = Options()
+    names = [f.name for f in fields(Options)]
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in names:
+            raise UserError(
+                f"asyncgrpo bench planning: expected KEY=VALUE with KEY in {', '.join(names)}, got {arg!r}"
+            )
+        try:
+            setattr(opts, key, int(value))
+        except ValueError:
+            raise UserError(f"asyncgrpo bench planning: {key}={value!r} is not an integer") from None
+    return opts
+
+
+def make_step(opts: Options, vocab: int = 32000) -> list:
+    """The synthetic step of the module docstring (``opts.samples`` samples, group after group)."""
+    from asyncgrpo_cli.samples import SAMPLER_TOPK, TopK, TrainingSequence
+
+    rng = np.random.default_rng(opts.seed)
+    g = max(1, opts.group_size)
+    out = []
+    for group in range(-(-opts.samples // g)):
+        p = int(rng.integers(max(1, opts.prompt_len // 2), max(2, 3 * opts.prompt_len // 2 + 1)))
+        prompt = rng.integers(0, vocab, size=p)
+        done: list[np.ndarray] = []
+        for _ in range(min(g, opts.samples - len(out))):
+            n = max(1, int(rng.lognormal(np.log(max(1, opts.completion_len)), 0.6)))
+            comp = rng.integers(0, vocab, size=n)
+            if done and rng.random() < 1 / 16:
+                comp = done[int(rng.integers(len(done)))].copy()
+            elif done and rng.random() < 1 / 3:
+                prev = done[int(rng.integers(len(done)))]
+                k = int(rng.integers(1, prev.shape[0] + 1))
+                comp[: min(k, n)] = prev[: min(k, n)]
+            done.append(comp)
+            ids = np.concatenate([prompt, comp]).astype(np.int64)
+            mask = np.zeros(ids.shape[0], dtype=bool)
+            mask[p:] = True
+            m = comp.shape[0]
+            extras = {}
+            if opts.topk:
+                top_ids = rng.integers(0, vocab, size=(m, opts.topk)).astype(np.int64)
+                top_lps = np.sort(-rng.random((m, opts.topk)) * 5, axis=1)[:, ::-1].astype(np.float32)
+                extras[SAMPLER_TOPK] = TopK(top_ids, top_lps)
+            lps = np.where(mask, -rng.random(ids.shape[0]) * 3, 0.0).astype(np.float32)
+            out.append(
+                TrainingSequence(
+                    input_ids=ids,
+                    train_mask=mask,
+                    sampler_logprobs=lps,
+                    advantage=float(rng.normal()),
+                    token_extras=extras,
+                    group_id=group,
+                    prompt_seq=group,
+                    group_num_samples=g,
+                )
+            )
+    return out
+
+
+def plan(planner: Any, samples: list) -> list:
+    """Every micro-batch ``planner`` emits for ``samples``, the final flush included."""
+    batches = [mb for s in samples if (mb := planner.add(s)) is not None]
+    last = planner.flush()
+    return batches + ([last] if last is not None else [])
+
+
+def cases(opts: Options) -> dict[str, tuple[Any, Any]]:
+    """name -> (packer, planner factory) for the four packer x planner combinations."""
+    from asyncgrpo_cli.config.schema import PackingConfig
+    from asyncgrpo_cli.packing import planner_for
+    from asyncgrpo_cli.packing.planner import FixedCountPlanner
+    from asyncgrpo_cli.packing.sequence import SequencePacker
+    from asyncgrpo_cli.packing.tree import TreePacker
+
+    per_row = max(1, -(-opts.samples // (opts.rows * opts.ranks)))
+    max_len = opts.prompt_len * 2 + opts.completion_len * 8
+    out = {}
+    for name, packer in (
+        ("sequence", SequencePacker(PackingConfig(kind="sequence"))),
+        ("tree", TreePacker(PackingConfig(kind="tree"))),
+    ):
+        budget_cls = planner_for(packer)
+        out[f"{name} / token budget"] = (packer, lambda c=budget_cls: c(opts.token_budget, opts.ranks))
+        out[f"{name} / fixed count"] = (packer, lambda: FixedCountPlanner(per_row, opts.ranks, max_len))
+    return out
+
+
+def run_case(packer: Any, make_planner: Any, samples: list) -> tuple[float, float, list, list]:
+    """(planning seconds, packing seconds, micro-batches, packed rows) of one repeat."""
+    t0 = time.perf_counter()
+    batches = plan(make_planner(), samples)
+    t1 = time.perf_counter()
+    rows = [packer.pack(row) for mb in batches for row in mb.rows]
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, batches, rows
+
+
+def main(argv: list[str]) -> None:
+    import platform
+
+    opts = parse_options(argv)
+    if opts.samples < 1 or opts.repeats < 1 or opts.rows < 1 or opts.ranks < 1:
+        raise UserError("asyncgrpo bench planning: samples, repeats, rows and ranks must be >= 1")
+    samples = make_step(opts)
+    n = len(samples)
+    print(
+        f"{n} samples in groups of {opts.group_size}, Σ L = {sum(map(len, samples))} tokens, "
+        f"{sum(s.num_trained for s in samples)} trained, top-k {opts.topk}; token_budget {opts.token_budget}, "
+        f"{opts.ranks} rank(s); {platform.processor() or platform.machine()}, numpy {np.__version__}"
+    )
+    if opts.profile:
+        import cProfile
+        import pstats
+
+        for name, (packer, make_planner) in cases(opts).items():
+            print(f"\n## {name}")
+            prof = cProfile.Profile()
+            prof.runcall(run_case, packer, make_planner, samples)
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(opts.profile)
+        return
+    print("| case | micro-batches | rows | forwarded tokens | plan us/sample | pack us/sample | total |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (packer, make_planner) in cases(opts).items():
+        times = [run_case(packer, make_planner, samples) for _ in range(opts.repeats + 1)][1:]  # 1 warm-up
+        plan_s = statistics.median(t[0] for t in times)
+        pack_s = statistics.median(t[1] for t in times)
+        _, _, batches, rows = times[-1]
+        forwarded = sum(r.num_forwarded for r in rows)
+        print(
+            f"| {name} | {len(batches)} | {len(rows)} | {forwarded} | {plan_s / n * 1e6:.2f} | "
+            f"{pack_s / n * 1e6:.2f} | {(plan_s + pack_s) / n * 1e6:.2f} |"
+        )

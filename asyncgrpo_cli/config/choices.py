@@ -28,6 +28,7 @@ AttnImplementation = Annotated[
     Literal["auto", "sdpa", "eager", "flex_attention"],
     "flash kernels would ignore a packed row's attention mask",
 ]
+LinearAttentionKernel = Annotated[str, Literal["auto", "torch", "fla"]]
 LoraBias = Annotated[str, Literal["none", "all", "lora_only"]]
 SamplingMask = Annotated[str, Literal["auto", "required", "off"]]
 LrSchedulerType = Annotated[str, Literal["constant", "constant_with_warmup", "linear", "cosine"]]

@@ -17,6 +17,7 @@ from asyncgrpo_cli.config.choices import (
     AttnImplementation,
     ConsoleMode,
     Dtype,
+    LinearAttentionKernel,
     LoraBias,
     LrSchedulerType,
     MixedPrecision,
@@ -88,6 +89,12 @@ class ModelConfig:
         "auto",
         "Attention for training: auto (flex_attention on CUDA, sdpa elsewhere), sdpa, eager, or flex_attention "
         "(compiled, block-sparse packed-row masks; CUDA only).",
+    )
+    linear_attention_kernel: LinearAttentionKernel = F(
+        "auto",
+        "Gated-DeltaNet layers of hybrid models (Qwen3.5, Qwen3-Next): auto (fla's Triton kernels on CUDA when "
+        "fla-core is installed, else the pure-torch chunked path), torch, or fla. Both are exact under sequence "
+        "and tree packing.",
     )
     served_model_name: str | None = F(
         None, "Model name on the generation server; default: what the server lists first in /v1/models."

@@ -21,21 +21,14 @@ def torch_dtype(name: str) -> Any:
     return getattr(torch, _DTYPES[name])
 
 
-def is_hybrid_linear_attention(config: Any) -> bool:
-    """Qwen3.5 / Qwen3-Next style models mix gated-DeltaNet (linear attention) layers with attention layers.
-
-    Packed rows are refused for them, whatever ``packing.kind``: those layers run a causal convolution and a
-    recurrence over the whole row, and neither a 4D mask nor position-id resets reach them (transformers hands
-    them no mask for a 4D one, and its torch fallback ignores ``cu_seq_lens``), so sequence packing leaks state
-    from one sample into the next just as tree packing would.
-    """
+def linear_attention_layers(config: Any) -> list[int]:
+    """Indices of the decoder layers that are linear attention (gated DeltaNet) in a Qwen3.5 / Qwen3-Next style
+    config (``layer_types``, on the config or its ``text_config``); empty for other models."""
     for cfg in (config, getattr(config, "text_config", None)):
-        if cfg is None:
-            continue
-        layer_types = getattr(cfg, "layer_types", None) or []
-        if any("linear" in str(t) for t in layer_types):
-            return True
-    return False
+        layer_types = getattr(cfg, "layer_types", None) if cfg is not None else None
+        if layer_types and any("linear" in str(t) for t in layer_types):
+            return [i for i, t in enumerate(layer_types) if "linear" in str(t)]
+    return []
 
 
 def load_tokenizer(path: str, cfg: ModelConfig) -> Any:
@@ -62,12 +55,14 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
     """The trainable causal LM on ``device``, with gradient checkpointing and without a KV cache.
 
     ``model.attn_implementation`` is resolved for ``device`` (``auto``: flex attention on CUDA, SDPA elsewhere;
-    see ``model/flex.py``).
+    see ``model/flex.py``). Gated-DeltaNet layers of hybrid models get the exact packed forward of
+    ``model/gdn/layer.py`` with ``model.linear_attention_kernel`` resolved for ``device``.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from asyncgrpo_cli.model.flex import resolve_attn_implementation
+    from asyncgrpo_cli.model.gdn.layer import resolve_kernel
 
     try:
         config = AutoConfig.from_pretrained(
@@ -78,16 +73,10 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
             f"model.name_or_path {path!r} cannot be loaded ({e}); give a hub id, a local directory "
             "saved with save_pretrained, or builtin:tiny-qwen3 / builtin:smollm2-135m-instruct."
         ) from e
-    if is_hybrid_linear_attention(config):
-        raise UserError(
-            f"model.name_or_path {path!r} is a hybrid model with gated-DeltaNet (linear attention) layers. Both "
-            "packers put several samples in one row, and those layers run their convolution and recurrent state "
-            "across the whole row (no mask or position reset reaches them), so samples would leak into each "
-            "other under packing.kind=tree and packing.kind=sequence alike. Use a full-attention model (e.g. "
-            "Qwen/Qwen3-1.7B)."
-        )
+    linear = linear_attention_layers(config)
     try:
         attn = resolve_attn_implementation(cfg.attn_implementation, torch.device(device))
+        kernel = resolve_kernel(cfg.linear_attention_kernel, torch.device(device)) if linear else None
     except ValueError as e:
         raise UserError(str(e)) from e
     model = AutoModelForCausalLM.from_pretrained(
@@ -99,6 +88,8 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
     )
     logger.info("model.attn_implementation=%s: attention runs as %s", cfg.attn_implementation, attn)
     model.config.use_cache = False
+    if linear:
+        _install_packed_linear_attention(model, path, kernel)
     if cfg.lora.enabled:  # only the adapter trains (model/lora.py)
         from asyncgrpo_cli.model.lora import apply_lora
 
@@ -109,3 +100,27 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device)
+
+
+def _install_packed_linear_attention(model: Any, path: str, kernel: str) -> None:
+    from asyncgrpo_cli.model.gdn.layer import install
+
+    try:
+        info = install(model, kernel)
+    except (TypeError, ValueError) as e:
+        raise UserError(
+            f"model.name_or_path {path!r} has linear-attention layers this trainer cannot pack exactly ({e}); "
+            "gated-DeltaNet models of the Qwen3.5 / Qwen3-Next families are supported."
+        ) from e
+    if info is None:
+        raise UserError(
+            f"model.name_or_path {path!r}: the config declares linear-attention layers but the loaded model has no "
+            "gated-DeltaNet module (decoder layers' linear_attn); only Qwen3.5 / Qwen3-Next style layers are supported."
+        )
+    logger.info(
+        "linear attention (gated DeltaNet, %s) in decoder layers %s: packed rows run the %s kernel with "
+        "per-sample / per-branch state and path convolutions",
+        info.family,
+        list(info.layers),
+        info.kernel,
+    )

@@ -18,7 +18,8 @@ over each position's sampling candidate set (top-k / top-p masks returned by the
 
 The decoder body runs with ``use_cache=False`` and the row's attention rendered for the model's kernel: a dense
 4D mask for SDPA / eager, a block-sparse flex ``BlockMask`` for flex attention (``model/flex.py``), both from the
-row's DFS intervals; flash kernels are rejected because they would ignore the mask.
+row's DFS intervals; flash kernels are rejected because they would ignore the mask. Gated-DeltaNet layers of
+hybrid models get the row's recurrence plan (``model/gdn``: convolution over path ancestors, state per segment).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 
 from asyncgrpo_cli.model.chunked_head import LogitTransform, chunked_token_stats
 from asyncgrpo_cli.model.flex import FLEX_IMPLS, row_block_mask
+from asyncgrpo_cli.model.gdn import recurrence_kwargs
 from asyncgrpo_cli.packing.row import PackedRow
 
 
@@ -137,6 +139,7 @@ def token_logprobs(
         position_ids=row.position_ids,
         attention_mask=_attention_mask(model, row, model.dtype),
         use_cache=False,
+        **recurrence_kwargs(model, row),
     )
     hidden = out.last_hidden_state[0].index_select(0, row.pred_index)
     weight, bias = _head(model)

@@ -325,3 +325,61 @@ def test_loader_names_the_key_for_an_impossible_kernel(hybrid_dir):
     cfg = ModelConfig(name_or_path=hybrid_dir, linear_attention_kernel="fla")
     with pytest.raises(UserError, match="model.linear_attention_kernel=fla"):
         load_policy(hybrid_dir, cfg, torch.device("cpu"))
+
+
+def reference_fla_kernel(
+    q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None, cu_seqlens_cpu=None,
+):  # fmt: skip
+    """fla's ``chunk_gated_delta_rule`` contract (varlen ``cu_seqlens``, a state per sequence in and out) on CPU,
+    from transformers' torch function one sequence at a time: lets the level orchestration of ``rule_fla`` run
+    here (the Triton kernels themselves: tests/gpu/test_gdn_gpu.py)."""
+    outs, finals = [], []
+    bounds = cu_seqlens_cpu.tolist()
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        h0 = None if initial_state is None else initial_state[i : i + 1]
+        out, final = mq.torch_chunk_gated_delta_rule(
+            q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], initial_state=h0,
+            output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        )  # fmt: skip
+        outs.append(out)
+        finals.append(final)
+    return torch.cat(outs, dim=1), torch.cat(finals) if output_final_state else None
+
+
+def test_fla_level_orchestration_with_a_reference_kernel(monkeypatch):
+    """``rule_fla`` (one varlen call per segment-tree level, parents' final states in) equals the chunk-grid rule
+    on a three-level tree and on a sequence row, values and gradients."""
+    import sys
+    import types
+
+    fake = types.ModuleType("fla.ops.gated_delta_rule")
+    fake.chunk_gated_delta_rule = reference_fla_kernel
+    for name in ("fla", "fla.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake)
+    from asyncgrpo_cli.model.gdn.rule_fla import fla_tree_gated_delta_rule
+
+    row = PACKERS["tree"]().pack(branching_samples(seed=7))
+    seq_row = PACKERS["sequence"]().pack(branching_samples(seed=7))
+    for leave in (row.leave, seq_row.leave):
+        plan = build_plan(leave, 4)
+        n = plan.num_tokens
+        torch.manual_seed(3)
+        inputs = [
+            torch.randn(n, 2, 8),
+            torch.randn(n, 2, 8),
+            torch.randn(n, 4, 8),
+            -torch.rand(n, 4),
+            torch.rand(n, 4),
+        ]
+        inputs = [x.requires_grad_() for x in inputs]
+        got = fla_tree_gated_delta_rule(*inputs, plan)
+        weight = torch.randn_like(got)
+        got_grads = torch.autograd.grad((got * weight).sum(), inputs)
+        want = tree_chunk_gated_delta_rule(*inputs, plan)
+        want_grads = torch.autograd.grad((want * weight).sum(), inputs)
+        assert (got - want).abs().max() < 1e-5
+        for a, b in zip(got_grads, want_grads, strict=True):
+            assert (a - b).abs().max() < 1e-4 * max(1.0, float(b.abs().max()))
+    assert len(build_plan(row.leave, 4).segment_levels) >= 3

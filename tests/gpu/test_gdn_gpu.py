@@ -1,0 +1,117 @@
+"""CUDA: fla's chunk kernels run per segment-tree level (``model/gdn/rule_fla.py``) against the pure-torch CPU
+reference (``rule_torch.py``) on random inputs with Qwen3.5-2B's DeltaNet head layout (16 key / 32 value heads of
+128) and on trees with several levels; and the tiny hybrid's tree-packed log-probs and gradients through the
+trainer's head with the fla path against one-sample-per-row transformers forwards. Skipped without CUDA + fla."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from asyncgrpo_cli.model.gdn.layer import fla_available, install
+from asyncgrpo_cli.model.gdn.plan import build_plan
+from asyncgrpo_cli.model.gdn.rule_torch import tree_chunk_gated_delta_rule
+from asyncgrpo_cli.packing.tree import TreePacker
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def need_fla():
+    if not torch.cuda.is_available() or not fla_available():
+        pytest.skip("needs CUDA and fla-core")
+
+
+def tree_leave(rng, prompt: int, branches: int, sub: int) -> np.ndarray:
+    """DFS intervals of one prompt with ``branches`` completions, each with ``sub`` sub-branches (3 levels)."""
+    parts: list[list] = []  # [start, subtree end] per segment in pre-order
+    lengths: list[int] = []
+
+    def seg(n, children):
+        start = sum(lengths)
+        lengths.append(n)
+        parts.append([start, None])
+        me = len(parts) - 1
+        for c in children:
+            seg(*c)
+        parts[me][1] = sum(lengths)
+
+    kids = [
+        (int(rng.integers(3, 200)), [(int(rng.integers(1, 150)), []) for _ in range(sub)])
+        for _ in range(branches)
+    ]
+    seg(prompt, kids)
+    leave = np.concatenate([np.full(n, end) for n, (_, end) in zip(lengths, parts, strict=True)])
+    return leave
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
+def test_fla_tree_rule_matches_the_torch_reference(dtype, tol):
+    from asyncgrpo_cli.model.gdn.rule_fla import fla_tree_gated_delta_rule
+
+    rng = np.random.default_rng(0)
+    first = tree_leave(rng, 300, 4, 2)  # a second tree follows: its intervals are offset by the first's length
+    leave = np.concatenate([first, tree_leave(rng, 100, 3, 0) + first.shape[0]])
+    n = leave.shape[0]
+    plan = build_plan(torch.as_tensor(leave, device=CUDA), conv_taps=4)
+    assert len(plan.segment_levels) == 3
+    torch.manual_seed(0)
+    hk, hv, d = 16, 32, 128
+    q = torch.randn(n, hk, d, device=CUDA, dtype=dtype, requires_grad=True)
+    k = torch.randn(n, hk, d, device=CUDA, dtype=dtype, requires_grad=True)
+    v = torch.randn(n, hv, d, device=CUDA, dtype=dtype, requires_grad=True)
+    g = (-torch.rand(n, hv, device=CUDA) * 0.5).requires_grad_()
+    beta = torch.rand(n, hv, device=CUDA, dtype=dtype).requires_grad_()
+    inputs = [q, k, v, g, beta]
+    got = fla_tree_gated_delta_rule(q, k, v, g, beta, plan)
+    weight = torch.randn_like(got, dtype=torch.float32)
+    got_grads = torch.autograd.grad((got.float() * weight).sum(), inputs)
+    ref_in = [x.detach().float().requires_grad_() for x in inputs]
+    want = tree_chunk_gated_delta_rule(*ref_in, plan)
+    want_grads = torch.autograd.grad((want * weight).sum(), ref_in)
+    scale = want.abs().max()
+    assert (got.float() - want).abs().max() / scale < tol
+    for name, a, b in zip("q k v g beta".split(), got_grads, want_grads, strict=True):
+        err = float((a.float() - b).abs().max() / b.abs().max())
+        assert err < 5 * tol, (name, err)
+
+
+@pytest.mark.parametrize("kind", ["sequence", "tree"])
+def test_tiny_hybrid_fla_packed_equals_unpacked(kind):
+    from transformers import AutoModelForCausalLM
+
+    from asyncgrpo_cli.config.schema import PackingConfig
+    from asyncgrpo_cli.model.logprobs import token_logprobs
+    from asyncgrpo_cli.model.resolve import resolve_model_path
+    from asyncgrpo_cli.packing.sequence import SequencePacker
+    from tests.test_gdn_packing import branching_samples
+
+    path = resolve_model_path("builtin:tiny-qwen3.5")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").to(
+        CUDA
+    )
+    model.config.use_cache = False
+    samples = branching_samples()
+    model.zero_grad()
+    want = []
+    for s in samples:
+        ids = torch.as_tensor(s.input_ids, device=CUDA)[None]
+        logits = model(ids, use_cache=False).logits[0].float().log_softmax(-1)
+        t = torch.as_tensor(np.flatnonzero(s.train_mask), device=CUDA)
+        lp = logits[t - 1, ids[0, t]]
+        (lp.sum() * s.advantage).backward()
+        want.append(lp.detach())
+    want = torch.cat(want)
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    install(model, "fla")
+    packer = TreePacker(PackingConfig(kind="tree")) if kind == "tree" else SequencePacker(PackingConfig())
+    row = packer.pack(samples).to(CUDA)
+    model.zero_grad()
+    lp = token_logprobs(model, row, 1.0, False).logprobs
+    (lp * row.advantages).sum().backward()
+    assert (lp.detach() - want).abs().max() < 1e-3
+    for name, w in want_grads.items():
+        err = float((model.get_parameter(name).grad - w).abs().max())
+        assert err <= 2e-2 * float(w.abs().max()) + 1e-4, (name, err)

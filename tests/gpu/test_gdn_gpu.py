@@ -1,15 +1,18 @@
-"""CUDA: fla's chunk kernels run per segment-tree level (``model/gdn/rule_fla.py``) against the pure-torch CPU
-reference (``rule_torch.py``) on random inputs with Qwen3.5-2B's DeltaNet head layout (16 key / 32 value heads of
-128) and on trees with several levels; and the tiny hybrid's tree-packed log-probs and gradients through the
-trainer's head with the fla path against one-sample-per-row transformers forwards. Skipped without CUDA + fla."""
+"""CUDA: fla's chunk kernels run per segment-tree level (``model/gdn/rule_fla.py``) against the pure-torch
+reference (``rule_torch.py``) on a two-tree row with three levels and Qwen3.5-2B's DeltaNet head layout (16 key /
+32 value heads of 128): the forward whenever fla imports, the backward where fla can train (``fla_status``: not on
+Hopper with Triton 3.4-3.7.0 without TileLang); and the tiny hybrid's packed log-probs and gradients through the
+trainer's head on CUDA (fla where it can train, else the torch path) against one-sample-per-row transformers."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import numpy as np
 import pytest
 import torch
 
-from asyncgrpo_cli.model.gdn.layer import fla_available, install
+from asyncgrpo_cli.model.gdn.layer import fla_available, fla_status, install
 from asyncgrpo_cli.model.gdn.plan import build_plan
 from asyncgrpo_cli.model.gdn.rule_torch import tree_chunk_gated_delta_rule
 from asyncgrpo_cli.packing.tree import TreePacker
@@ -19,9 +22,9 @@ CUDA = torch.device("cuda")
 
 
 @pytest.fixture(autouse=True)
-def need_fla():
-    if not torch.cuda.is_available() or not fla_available():
-        pytest.skip("needs CUDA and fla-core")
+def need_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
 
 
 def tree_leave(rng, prompt: int, branches: int, sub: int) -> np.ndarray:
@@ -47,12 +50,20 @@ def tree_leave(rng, prompt: int, branches: int, sub: int) -> np.ndarray:
     return leave
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
-def test_fla_tree_rule_matches_the_torch_reference(dtype, tol):
+@pytest.mark.parametrize("backward", [False, True])
+def test_fla_tree_rule_matches_the_torch_reference(backward):
+    if importlib.util.find_spec("fla") is None:
+        pytest.skip("needs fla-core")
+    if backward and not fla_available():
+        pytest.skip(fla_status())
     from asyncgrpo_cli.model.gdn.rule_fla import fla_tree_gated_delta_rule
 
+    dtype, tol = torch.bfloat16, 3e-2
+
     rng = np.random.default_rng(0)
-    first = tree_leave(rng, 300, 4, 2)  # a second tree follows: its intervals are offset by the first's length
+    first = tree_leave(
+        rng, 300, 4, 2
+    )  # a second tree follows: its intervals are offset by the first's length
     leave = np.concatenate([first, tree_leave(rng, 100, 3, 0) + first.shape[0]])
     n = leave.shape[0]
     plan = build_plan(torch.as_tensor(leave, device=CUDA), conv_taps=4)
@@ -66,20 +77,21 @@ def test_fla_tree_rule_matches_the_torch_reference(dtype, tol):
     beta = torch.rand(n, hv, device=CUDA, dtype=dtype).requires_grad_()
     inputs = [q, k, v, g, beta]
     got = fla_tree_gated_delta_rule(q, k, v, g, beta, plan)
-    weight = torch.randn_like(got, dtype=torch.float32)
-    got_grads = torch.autograd.grad((got.float() * weight).sum(), inputs)
     ref_in = [x.detach().float().requires_grad_() for x in inputs]
     want = tree_chunk_gated_delta_rule(*ref_in, plan)
+    assert (got.float() - want).abs().max() / want.abs().max() < tol
+    if not backward:
+        return
+    weight = torch.randn_like(got, dtype=torch.float32)
+    got_grads = torch.autograd.grad((got.float() * weight).sum(), inputs)
     want_grads = torch.autograd.grad((want * weight).sum(), ref_in)
-    scale = want.abs().max()
-    assert (got.float() - want).abs().max() / scale < tol
     for name, a, b in zip("q k v g beta".split(), got_grads, want_grads, strict=True):
         err = float((a.float() - b).abs().max() / b.abs().max())
         assert err < 5 * tol, (name, err)
 
 
 @pytest.mark.parametrize("kind", ["sequence", "tree"])
-def test_tiny_hybrid_fla_packed_equals_unpacked(kind):
+def test_tiny_hybrid_packed_on_cuda_equals_unpacked(kind):
     from transformers import AutoModelForCausalLM
 
     from asyncgrpo_cli.config.schema import PackingConfig
@@ -105,7 +117,7 @@ def test_tiny_hybrid_fla_packed_equals_unpacked(kind):
         want.append(lp.detach())
     want = torch.cat(want)
     want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    install(model, "fla")
+    install(model, "fla" if fla_available() else "torch")
     packer = TreePacker(PackingConfig(kind="tree")) if kind == "tree" else SequencePacker(PackingConfig())
     row = packer.pack(samples).to(CUDA)
     model.zero_grad()

@@ -22,6 +22,7 @@ take ``cu_seqlens`` for sequence packing but know no trees), and TRL's tree vers
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,32 +93,57 @@ def _layers(model: nn.Module) -> Any:
 
 
 def resolve_kernel(name: str, device: torch.device) -> str:
-    """``model.linear_attention_kernel`` -> the kernel that runs: ``fla`` (CUDA + the fla package) or ``torch``."""
+    """``model.linear_attention_kernel`` -> the kernel that runs: ``fla`` (CUDA, fla usable) or ``torch``."""
     if name not in KERNELS:
         raise ValueError(f"model.linear_attention_kernel={name!r}: use one of {', '.join(KERNELS)}")
     if name == "torch":
         return "torch"
-    available = device.type == "cuda" and fla_available()
-    if name == "fla" and not available:
-        raise ValueError(
-            "model.linear_attention_kernel=fla needs a CUDA device and the fla package "
-            "(pip install 'asyncgrpo[gpu]' or fla-core); use auto or torch"
-        )
-    if name == "auto" and device.type == "cuda" and not available:
+    why = (
+        "the trainer runs on CPU (fla's kernels are Triton, CUDA only)"
+        if device.type != "cuda"
+        else fla_status()
+    )
+    if name == "fla" and why:
+        raise ValueError(f"model.linear_attention_kernel=fla cannot run: {why}; use auto or torch")
+    if name == "auto" and device.type == "cuda" and why:
         logger.warning(
-            "gated-DeltaNet layers run the pure-torch chunked kernel on CUDA (exact but slow): install fla-core "
-            "(pip install 'asyncgrpo[gpu]') for the Triton kernels"
+            "gated-DeltaNet layers run the pure-torch chunked kernel on CUDA (exact, slower): %s", why
         )
-    return "fla" if available else "torch"
+    return "torch" if why else "fla"
 
 
 @functools.cache
-def fla_available() -> bool:
+def fla_status() -> str | None:
+    """None when fla's gated-delta-rule kernels can train in this environment, else why not (with the fix).
+
+    fla itself refuses the gated backward on Hopper with Triton >= 3.4 and < 3.7.1 (wrong results there,
+    fla-org/flash-linear-attention#640) unless TileLang is installed; that is checked here, before a run starts,
+    rather than at the first backward.
+    """
     try:
         import fla.ops.gated_delta_rule  # noqa: F401
-    except Exception:  # noqa: BLE001 - a missing package or a Triton without a GPU backend alike
-        return False
-    return True
+        from fla import utils as fla_utils
+    except ImportError as e:
+        return f"fla is not installed ({e}): pip install 'asyncgrpo[gpu]' (fla-core)"
+    except Exception as e:  # noqa: BLE001 - a Triton without a GPU backend, a broken install
+        return f"fla cannot be imported ({type(e).__name__}: {e})"
+    hopper = bool(getattr(fla_utils, "IS_NVIDIA_HOPPER", False))
+    affected = bool(getattr(fla_utils, "TRITON_ABOVE_3_4_0", False)) and not getattr(
+        fla_utils, "TRITON_ABOVE_3_7_1", True
+    )
+    if hopper and affected and importlib.util.find_spec("tilelang") is None:
+        import triton
+
+        return (
+            f"fla refuses its gated backward on Hopper GPUs with Triton {triton.__version__} (>= 3.4, < 3.7.1: "
+            "wrong results, fla-org/flash-linear-attention#640): upgrade Triton to >= 3.7.1 or pip install tilelang"
+        )
+    return None
+
+
+def fla_available() -> bool:
+    """fla's kernels can train here (see :func:`fla_status`)."""
+    return fla_status() is None
 
 
 def _rule(kernel: str) -> Callable[..., torch.Tensor]:

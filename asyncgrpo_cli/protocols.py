@@ -159,7 +159,8 @@ class Loss(Protocol):
 
     Called once per packed row (micro-batch) with the trainer's statistics of the row's trained tokens and the
     row itself; returns the row's share of the step's loss and raw metric material. The trainer stays
-    algorithm-blind: it reads nothing but ``needs``.
+    algorithm-blind: it reads nothing but ``needs``. Model-specific terms are the trainer's, not the loss's: it adds
+    the MoE router aux loss to the returned loss itself (``train/step.py``, ``model/router.py``).
     """
 
     head_temperature: float | None

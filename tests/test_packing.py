@@ -88,7 +88,7 @@ def test_to_device_moves_every_tensor():
     )
     tensors = [v for v in vars(row).values() if isinstance(v, torch.Tensor)]
     tensors += [v for v in vars(row.extras[SAMPLER_TOPK]).values() if isinstance(v, torch.Tensor)]
-    assert len(tensors) == 10 and all(t.device.type == "meta" for t in tensors)
+    assert len(tensors) == 11 and all(t.device.type == "meta" for t in tensors)
     assert (row.num_forwarded, row.num_trained, row.num_samples) == (3, 2, 1)
 
 

@@ -8,6 +8,7 @@ rules there. Imports no torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -72,6 +73,12 @@ def loss_errors(lo: LossConfig) -> Iterator[str]:
         )
     if not lo.teacher_temperature > 0:
         yield f"loss.teacher_temperature ({lo.teacher_temperature}) must be > 0 (1.0: the teacher as served)."
+    coef = lo.router_aux_loss_coef
+    if coef is not None and not (math.isfinite(coef) and coef >= 0):
+        yield (
+            f"loss.router_aux_loss_coef ({coef}) must be a finite number >= 0 (0 disables), or null for the model "
+            "config's value."
+        )
 
 
 def rollout_errors(ro: RolloutConfig) -> Iterator[str]:

@@ -206,6 +206,12 @@ class LossConfig:
         "exact) and the teacher's reported log-probs are tempered client-side (exact at 1.0; vLLM computes "
         "prompt log-probs before its sampler, so a server never applies it).",
     )
+    router_aux_loss_coef: float | None = F(
+        None,
+        "MoE models: coefficient of the router's auxiliary load-balancing loss added to the training loss (logged "
+        "raw as aux_loss); None: the model config's router_aux_loss_coef; 0 disables. Setting it for a dense "
+        "model fails at trainer start.",
+    )
 
 
 @dataclass

@@ -20,6 +20,8 @@ The decoder body runs with ``use_cache=False`` and the row's attention rendered 
 4D mask for SDPA / eager, a block-sparse flex ``BlockMask`` for flex attention (``model/flex.py``), both from the
 row's DFS intervals; flash kernels are rejected because they would ignore the mask. Gated-DeltaNet layers of
 hybrid models get the row's recurrence plan (``model/gdn``: convolution over path ancestors, state per segment).
+With ``router`` (an MoE model with a router aux-loss coefficient, ``model/router.py``) the decoder also records its
+router logits and the row's load-balancing loss is returned as ``aux_loss``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch import nn
 from asyncgrpo_cli.model.chunked_head import LogitTransform, chunked_token_stats
 from asyncgrpo_cli.model.flex import FLEX_IMPLS, row_block_mask
 from asyncgrpo_cli.model.gdn import recurrence_kwargs
+from asyncgrpo_cli.model.router import RouterAux, router_decoder_kwargs, row_aux_loss
 from asyncgrpo_cli.packing.row import PackedRow
 
 
@@ -41,12 +44,14 @@ class TokenStats:
 
     ``logprobs`` float32 [N] (differentiable); ``entropy`` float32 [N] (detached); ``topk_logprobs`` float32
     [N, K] trainer log-probs of the row's top-k extra ids (``row.candidate_ids``: the sampler's top-k;
-    differentiable, -inf at padding), None unless asked or when the row has none.
+    differentiable, -inf at padding), None unless asked or when the row has none. ``aux_loss`` float32 0-d: the
+    row's MoE router load-balancing loss (differentiable, ``model/router.py``), None when not computed.
     """
 
     logprobs: torch.Tensor
     entropy: torch.Tensor
     topk_logprobs: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
 
 
 def _decoder(model: nn.Module) -> nn.Module:
@@ -124,12 +129,14 @@ def token_logprobs(
     with_topk: bool,
     *,
     support_ids: torch.Tensor | None = None,
+    router: RouterAux | None = None,
 ) -> TokenStats:
     """Run the decoder on ``row`` and compute :class:`TokenStats` at its ``pred_index`` positions.
 
     ``support_ids`` [N, C] (-1 padding; one row per trained token, aligned with ``row.target_ids``): each token's
     sampling candidate set; log-probs, entropies and top-k log-probs are then renormalized over it (a row of only
-    -1 keeps the full vocabulary). None (the default) normalizes over the full vocabulary.
+    -1 keeps the full vocabulary). None (the default) normalizes over the full vocabulary. ``router``: also compute
+    the row's router aux loss (``TokenStats.aux_loss``).
     """
     if temperature <= 0:
         raise ValueError(f"sampling.temperature must be positive for training log-probs, got {temperature}")
@@ -140,6 +147,7 @@ def token_logprobs(
         attention_mask=_attention_mask(model, row, model.dtype),
         use_cache=False,
         **recurrence_kwargs(model, row),
+        **router_decoder_kwargs(router),
     )
     hidden = out.last_hidden_state[0].index_select(0, row.pred_index)
     weight, bias = _head(model)
@@ -152,4 +160,5 @@ def token_logprobs(
         candidate_ids=row.candidate_ids if with_topk else None,
         support_ids=support_ids,
     )
-    return TokenStats(stats.logprobs, stats.entropy, stats.candidate_logprobs)
+    aux_loss = row_aux_loss(router, out, row)
+    return TokenStats(stats.logprobs, stats.entropy, stats.candidate_logprobs, aux_loss)

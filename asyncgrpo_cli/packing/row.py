@@ -32,6 +32,10 @@ class PackedRow:
       - ``leave`` int64 [T]: the row's attention as DFS intervals (``packing/attention.py``): query ``q`` sees key
         ``k`` iff ``k <= q < leave[k]`` (exact per-sample isolation). The attention mask is rendered from it for
         the model's kernel (a dense mask for SDPA / eager, a BlockMask for flex), on the row's device.
+      - ``multiplicity`` int64 [T] or None: how many of the row's samples have each forwarded token on their path
+        (Σ = ``num_unpacked``): 1 everywhere under sequence packing, k on a prefix that k samples share under tree
+        packing. It weights per-token statistics that must equal those of the samples forwarded unpacked (the MoE
+        router aux loss, ``model/router.py``). None (a packer that does not set it): one sample per token.
     Loss terms, one entry per trained token:
       - ``pred_index`` int64 [N]: packed position whose output predicts the token;
       - ``target_ids`` int64 [N], ``sampler_logprobs`` float32 [N], ``advantages`` float32 [N];
@@ -60,6 +64,7 @@ class PackedRow:
     num_samples: int
     num_unpacked: int
     support_ids: torch.Tensor | None = field(default=None, kw_only=True)
+    multiplicity: torch.Tensor | None = field(default=None, kw_only=True)
     extras: dict[str, Any] = field(default_factory=dict, kw_only=True)
 
     @property

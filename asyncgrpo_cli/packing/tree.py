@@ -77,6 +77,18 @@ class TreeLayout:
         return np.arange(total) + np.repeat(self.piece_shift, sizes)
 
     @property
+    def multiplicity(self) -> np.ndarray:
+        """int64 [T]: how many samples have each packed position on their path (``PackedRow.multiplicity``).
+
+        A sample's path is its last token's root-to-token path, and position ``p``'s subtree is the DFS interval
+        ``[p, leave[p])``, so the count is the number of samples whose last token lies in it: two binary searches
+        over the n sorted last positions (O(T log n), not O(Σ L)).
+        """
+        last = np.sort(self.locate(self.sample_offsets[1:] - 1))
+        below = np.searchsorted(last, np.arange(self.num_tokens, dtype=np.int64), side="left")
+        return (np.searchsorted(last, self.leave, side="left") - below).astype(np.int64, copy=False)
+
+    @property
     def sample_positions(self) -> list[np.ndarray]:
         """``positions`` split per sample."""
         return np.split(self.positions, self.sample_offsets[1:-1])
@@ -195,6 +207,7 @@ class TreePacker:
             input_ids=torch.from_numpy(layout.input_ids)[None],
             position_ids=torch.from_numpy(layout.position_ids)[None],
             leave=torch.from_numpy(layout.leave),
+            multiplicity=torch.from_numpy(layout.multiplicity),
             **terms,
             num_forwarded=layout.num_tokens,
             num_trained=int(terms["target_ids"].shape[0]),

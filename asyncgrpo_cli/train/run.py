@@ -58,6 +58,7 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
     from asyncgrpo_cli.metrics.reducer import MetricWindow
     from asyncgrpo_cli.model.loading import load_policy, load_tokenizer
     from asyncgrpo_cli.model.resolve import resolve_model_path
+    from asyncgrpo_cli.model.router import resolve_router_aux
     from asyncgrpo_cli.train.checkpoint import (
         TrainerState,
         find_resume_checkpoint,
@@ -114,6 +115,7 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
 
         tokenizer = load_tokenizer(model_path, cfg.model)
         model = load_policy(model_path, cfg.model, device)
+        router = resolve_router_aux(model, cfg.loss.router_aux_loss_coef)  # MoE load balancing, or None
         if tr.compile:
             compile_decoder_layers(model)
         model = shard_model(model, info, device, tr.mixed_precision, tr.cpu_offload, tr.reshard_after_forward)
@@ -147,6 +149,7 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
             state=state,
             tracker=tracker,
             info=info,
+            router=router,
         )
         window = MetricWindow()
         if info.is_main:

@@ -7,6 +7,13 @@ backward: its loss is connected to the graph with zero gradient, so every rank e
 
 Algorithm-blind: the loss (a :class:`~asyncgrpo_cli.protocols.Loss`) declares the token extras it reads
 (``loss_fn.needs``); with any, the head also scores the ids of the row's top-k extras (``row.candidate_ids``).
+
+Model-specific terms are added here, not by the loss plugins: for an MoE model with a router aux-loss coefficient
+(``router``, ``model/router.py``) each row's loss also gets ``coef * aux_row / R`` after the world-size
+multiplication, R = this rank's rows in the step (the same on every rank: one per micro-batch). FSDP2's average
+over the W ranks turns the sum over rows into ``coef`` times the mean aux loss over all the step's W x R rows:
+``(1/W) Σ_ranks Σ_rows coef ∇aux_row / R = coef ∇ mean_rows(aux_row)``. The raw aux losses are summed in
+``StepResult.aux_sum`` (and counted in ``aux_rows``) for the ``aux_loss`` metric.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from asyncgrpo_cli.samples import TrainingSequence
 from asyncgrpo_cli.train.flops import attended_pairs
 
 if TYPE_CHECKING:
+    from asyncgrpo_cli.model.router import RouterAux
     from asyncgrpo_cli.protocols import Loss, Packer
 
 
@@ -35,6 +43,10 @@ class StepResult:
     fwd_bwd_s: float = 0.0
     attn_pairs: int = 0
     """(query, key) pairs the rows attended (``train/flops.py``)."""
+    aux_sum: float = 0.0
+    """Σ of the rows' raw router aux losses (MoE with a coefficient; else 0)."""
+    aux_rows: int = 0
+    """Rows whose aux loss is in ``aux_sum`` (0 without a router aux loss)."""
 
 
 def forward_backward(
@@ -46,23 +58,30 @@ def forward_backward(
     device: torch.device,
     temperature: float,
     world_size: int = 1,
+    router: RouterAux | None = None,
 ) -> StepResult:
-    """Run every micro-batch row of this rank; gradients accumulate in the parameters."""
+    """Run every micro-batch row of this rank; gradients accumulate in the parameters. ``router``: add the MoE
+    router aux loss (module docstring)."""
     with_topk = bool(loss_fn.needs)
     out = StepResult()
     model.train()
     loss_sum = torch.zeros(
         (), dtype=torch.float64, device=device
     )  # read once: the next row packs during backward
+    aux_sum = torch.zeros((), dtype=torch.float64, device=device)
     for samples in rows:
         packed = packer.pack(samples)
         out.attn_pairs += attended_pairs(packed.leave)
         row = packed.to(device)
         t0 = time.monotonic()
-        stats = _through_root(model, row, temperature, with_topk)
+        stats = _through_root(model, row, temperature, with_topk, router)
         loss, raw = loss_fn(stats, row, num_trained)
         if world_size > 1:
             loss = loss * world_size
+        if router is not None:
+            loss = loss + router.coef * stats.aux_loss / len(rows)
+            aux_sum += stats.aux_loss.detach()
+            out.aux_rows += 1
         t1 = time.monotonic()
         loss.backward()
         out.fwd_s += t1 - t0
@@ -72,10 +91,13 @@ def forward_backward(
         out.forwarded += row.num_forwarded
         out.unpacked += row.num_unpacked
     out.loss = float(loss_sum) / world_size
+    out.aux_sum = float(aux_sum)
     return out
 
 
-def _through_root(model: Any, row: Any, temperature: float, with_topk: bool) -> TokenStats:
+def _through_root(
+    model: Any, row: Any, temperature: float, with_topk: bool, router: RouterAux | None = None
+) -> TokenStats:
     """Compute the head's statistics *inside* the root module's call.
 
     The head runs the decoder body and the LM head itself (never the full-vocabulary forward); with the row's
@@ -94,21 +116,21 @@ def _through_root(model: Any, row: Any, temperature: float, with_topk: bool) -> 
 
     def redirected(*_args: Any, **_kwargs: Any) -> tuple:
         restore()
-        stats = token_logprobs(model, row, temperature, with_topk, support_ids=row.support_ids)
+        stats = token_logprobs(model, row, temperature, with_topk, support_ids=row.support_ids, router=router)
         # FSDP2 hooks the root's outputs for backward; a view output would lose that hook on in-place use.
         return tuple(
             t.clone() if t is not None and t._is_view() else t
-            for t in (stats.logprobs, stats.entropy, stats.topk_logprobs)
+            for t in (stats.logprobs, stats.entropy, stats.topk_logprobs, stats.aux_loss)
         )
 
     model.forward = redirected
     try:
         # A keyword argument: torch 2.11's FSDP2 root pre-forward indexes the moved (args, kwargs) tuples, which
         # are empty for a call without any.
-        logprobs, entropy, topk = model(asyncgrpo_row=None)
+        logprobs, entropy, topk, aux_loss = model(asyncgrpo_row=None)
     finally:
         restore()
-    return TokenStats(logprobs=logprobs, entropy=entropy, topk_logprobs=topk)
+    return TokenStats(logprobs=logprobs, entropy=entropy, topk_logprobs=topk, aux_loss=aux_loss)
 
 
 def clip_and_step(

@@ -36,7 +36,10 @@ def record_step(
     forwarded: int,
     unpacked: int,
     times: StepTimes,
+    aux_loss: tuple[float, float] | None = None,
 ) -> None:
+    """``aux_loss``: (Σ raw router aux losses, rows) over every rank's rows of the step, for an MoE model with a
+    non-zero coefficient (``model/router.py``); logged as ``aux_loss``, the mean over rows. None: not logged."""
     trained = step.num_trained
     rates, extremes = records  # the loss's (Loss.metric_records)
     for name, (num, den) in rates.items():
@@ -44,6 +47,8 @@ def record_step(
     for name, value in extremes.items():
         w.add(name, value)
     w.add("loss", loss)
+    if aux_loss is not None:
+        w.add_rate("aux_loss", *aux_loss)
     w.add("grad_norm", grad_norm)
     w.add("learning_rate", lr)
     record_microbatches(w, step)

@@ -50,6 +50,8 @@ class TrainParts:
     rollout: Any = None
     metrics_logger: Any = None
     total_prompts: int | None = None
+    router: Any = None
+    """The MoE router aux loss (``model/router.RouterAux``), or None: no aux term, no ``aux_loss`` metric."""
 
 
 class Trainer:
@@ -124,10 +126,13 @@ class Trainer:
             p.device,
             self.temperature,
             self.info.world_size,
+            router=p.router,
         )
         raw = reduce_raw_metrics(merge_metric_parts(res.raw_parts), self.info)
         records = p.loss_fn.metric_records(raw)
-        totals = self._sum_over_ranks([res.loss, res.forwarded, res.unpacked, res.attn_pairs])
+        totals = self._sum_over_ranks(
+            [res.loss, res.forwarded, res.unpacked, res.attn_pairs, res.aux_sum, res.aux_rows]
+        )
         t_opt = time.monotonic()
         grad_norm = clip_and_step(p.model, p.optimizer, p.scheduler, self.cfg.trainer.max_grad_norm)
         t_opt = time.monotonic() - t_opt
@@ -158,6 +163,7 @@ class Trainer:
             forwarded,
             unpacked,
             times,
+            aux_loss=(totals[4], totals[5]) if p.router is not None else None,
         )
         self._record_gauges()
         if self.cfg.logging.log_completions:

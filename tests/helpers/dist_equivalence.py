@@ -5,6 +5,7 @@ Writes the step losses and the full parameters after every step (rank 0) to --ou
 sizes. --save DIR writes a checkpoint (DCP) after the last step; --resume DIR loads one first and continues with
 the rows of the following steps (the rows are the same whatever the world size or the starting step).
 --check-gather compares the lockstep weight gather (``iter_full_state``) with DCP's full state dict.
+--router-aux-coef C adds the MoE router aux loss (an MoE --model) and writes each step's mean row aux loss.
 
 On CUDA the run asks for deterministic kernels (set CUBLAS_WORKSPACE_CONFIG=:4096:8 in its environment), so a
 rank's row gives the same gradients as the same micro-batch in one process.
@@ -24,6 +25,7 @@ import torch
 from asyncgrpo_cli.bench.trainer_overhead import synthetic_groups
 from asyncgrpo_cli.config.schema import LossConfig, ModelConfig, PackingConfig, TrainerConfig
 from asyncgrpo_cli.model.loading import load_policy
+from asyncgrpo_cli.model.router import resolve_router_aux
 from asyncgrpo_cli.packing.sequence import SequencePacker
 from asyncgrpo_cli.samples import SAMPLER_TOPK
 from asyncgrpo_cli.train.checkpoint import (
@@ -102,6 +104,7 @@ def main() -> None:
     )
     parser.add_argument("--resume", default=None, help="checkpoint dir to start from")
     parser.add_argument("--check-gather", action="store_true")
+    parser.add_argument("--router-aux-coef", type=float, default=None, help="MoE router aux loss coefficient")
     args = parser.parse_args()
     torch.manual_seed(0)
     device = pick_device(args.device)
@@ -113,6 +116,7 @@ def main() -> None:
         ModelConfig(name_or_path=args.model, gradient_checkpointing=True, attn_implementation=args.attn),
         device,
     )
+    router = resolve_router_aux(model, args.router_aux_coef) if args.router_aux_coef is not None else None
     model = shard_model(
         model, info, device, mixed_precision=args.mixed_precision, cpu_offload=args.cpu_offload
     )
@@ -127,21 +131,26 @@ def main() -> None:
         state = read_resume_state(Path(args.resume)).trainer
         load_training_state(Path(args.resume), model, optimizer, scheduler, info)
     packer = SequencePacker(PackingConfig(kind="sequence"))
-    losses, params_by_step = [], {}
+    losses, params_by_step, aux_means = [], {}, []
     for rows, num_trained in step_rows(model.config.vocab_size, state.step + args.steps, args.rows)[
         state.step :
     ]:
         mine = rows[info.rank :: info.world_size]
-        res = forward_backward(model, mine, num_trained, packer, loss_fn, device, 1.0, info.world_size)
-        total = torch.tensor([res.loss], dtype=torch.float64, device=device)
+        res = forward_backward(
+            model, mine, num_trained, packer, loss_fn, device, 1.0, info.world_size, router=router
+        )
+        total = torch.tensor([res.loss, res.aux_sum, res.aux_rows], dtype=torch.float64, device=device)
         if info.enabled:
             torch.distributed.all_reduce(total)
-        losses.append(float(total))
+        losses.append(float(total[0]))
+        if router is not None:
+            aux_means.append(float(total[1] / total[2]))
         clip_and_step(model, optimizer, scheduler, tcfg.max_grad_norm)
         state.step += 1
         params_by_step[state.step] = {k: t.clone() for k, t in iter_full_state(model, info)}  # CPU: no alias
     out = {
         "losses": losses,
+        "aux_means": aux_means,
         "params": params_by_step[state.step],
         "params_by_step": params_by_step,
         "world_size": info.world_size,

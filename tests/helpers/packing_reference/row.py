@@ -60,6 +60,7 @@ class PackedRow:
     num_samples: int
     num_unpacked: int
     support_ids: torch.Tensor | None = field(default=None, kw_only=True)
+    multiplicity: torch.Tensor | None = field(default=None, kw_only=True)
     extras: dict[str, Any] = field(default_factory=dict, kw_only=True)
 
     @property

@@ -58,6 +58,7 @@ class SequencePacker:
             input_ids=torch.from_numpy(input_ids)[None],
             position_ids=torch.from_numpy(positions)[None],
             leave=torch.from_numpy(sequence_leave(lengths)),
+            multiplicity=torch.ones(total, dtype=torch.int64),
             **terms,
             num_forwarded=total,
             num_trained=int(terms["target_ids"].shape[0]),

@@ -180,6 +180,9 @@ class TreePacker:
             input_ids=torch.from_numpy(layout.input_ids)[None],
             position_ids=torch.from_numpy(layout.position_ids)[None],
             leave=torch.from_numpy(layout.leave),
+            multiplicity=torch.from_numpy(  # every sample's path, counted position by position
+                np.bincount(np.concatenate(layout.sample_positions), minlength=layout.num_tokens)
+            ),
             **terms,
             num_forwarded=layout.num_tokens,
             num_trained=int(terms["target_ids"].shape[0]),

@@ -443,6 +443,8 @@ SAME_WORK = (
     "num_topk",
 )
 """Keys a baseline must share for its tokens/s to be comparable."""
+LATER_KEYS = {"linear_attention_kernel": "auto"}
+"""Keys added after baselines were written, with the value those runs had."""
 
 
 def load_baseline(path: str, cfg: TrainerBenchConfig) -> tuple[dict[str, dict], list[str]]:
@@ -452,7 +454,8 @@ def load_baseline(path: str, cfg: TrainerBenchConfig) -> tuple[dict[str, dict], 
         by_shape = {r["shape"]: r for r in data["results"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"bench.baseline={path!r} is not a JSON written by out= ({e})") from e
-    return by_shape, [k for k in SAME_WORK if data.get("config", {}).get(k) != getattr(cfg, k)]
+    recorded = {**LATER_KEYS, **data.get("config", {})}
+    return by_shape, [k for k in SAME_WORK if recorded.get(k) != getattr(cfg, k)]
 
 
 def add_efficiency(result: dict[str, Any], baseline: dict[str, dict]) -> None:

@@ -299,7 +299,16 @@ def _check(args: list[str]) -> None:
     table = Table(title="asyncgrpo plan (nothing was started)", show_header=False)
     table.add_column("what", style="bold")
     table.add_column("plan", overflow="fold")
-    for what, plan in plan_lines(cfg):
+    rows = plan_lines(cfg)
+    from asyncgrpo_cli.model.layers_plan import linear_attention_line
+
+    linear = linear_attention_line(cfg.model, cfg.trainer.device)  # torch-free: reads config.json if on disk
+    if linear is not None:
+        at = next((i + 1 for i, (what, _) in enumerate(rows) if what == "model"), len(rows))
+        from rich.markup import escape
+
+        rows.insert(at, (linear[0], escape(linear[1])))  # "asyncgrpo[gpu]" is no style tag
+    for what, plan in rows:
         table.add_row(what, plan)
     console.print(table)
     if (

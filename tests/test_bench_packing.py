@@ -36,6 +36,36 @@ def test_bench_packing_smoke(tmp_path, one_torch_thread, capsys):
     assert tree["mfu"] is None and tree["peak_gib"] is None  # CUDA-only columns
 
 
+def test_bench_packing_runs_the_tiny_hybrid_through_load_policy(tmp_path, one_torch_thread, capsys):
+    """The hybrid through the trainer's loader (packed gated-DeltaNet forward, the torch kernel on CPU), tree vs
+    sequence at ratio 3.4 with FLOPs that count its one attention layer and its three delta-rule layers."""
+    from asyncgrpo_cli.bench.packing import main
+    from asyncgrpo_cli.bench.shapes import QWEN3_5_SHAPES
+
+    out = tmp_path / "hybrid.json"
+    main(["shapes=tiny-qwen3.5", "ratios=3.4", "steps=1", "warmup=0", "kernel=torch", f"out={out}"])
+    assert "| tiny-qwen3.5 (GDN torch) | 3." in capsys.readouterr().out
+    r = json.loads(out.read_text())["results"][0]
+    assert r["linear_attention_kernel"] == "torch" and r["ratio"] == pytest.approx(3.4, rel=0.05)
+    shape = QWEN3_5_SHAPES["tiny-qwen3.5"]
+    h, inter, v, d, hk, hv = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"], 16, 2, 4
+    assert (h, inter, v) == (64, 128, 512)
+    mlp_norms = 3 * h * inter + 2 * h
+    conv_dim = 2 * hk * d + hv * d
+    linear_layer = conv_dim * h + 2 * hv * d * h + 2 * hv * h + 4 * conv_dim + 2 * hv + d
+    full_layer = 2 * 4 * d * h + 2 * 2 * d * h + 4 * d * h + 2 * d  # gated q_proj, k/v, o, q/k norms
+    body = 3 * (linear_layer + mlp_norms) + full_layer + mlp_norms + h
+    per_token = 3 * 3 * hv * (64 * (5 * d + 3 * d) + 6 * d * d)  # G: 3 delta-rule layers
+    tree, seq = r["tree"], r["sequence"]
+    for run in (tree, seq):
+        assert run["model_flops"] == (
+            (6 * body + per_token) * run["forwarded_tokens"]
+            + 6 * v * h * run["trained_tokens"]
+            + 12 * 4 * d * run["attention_pairs"]  # the one full-attention layer
+        )
+    assert tree["attention_pairs"] < seq["attention_pairs"] and 1 < r["flop_bound"] < r["ratio"]
+
+
 def test_bench_packing_options():
     opts = parse_options(["shapes=0.6b,tiny", "ratios=1,3.4", "token_budget=4096", "out=x.json"])
     assert opts.shapes == ["0.6b", "tiny"] and opts.ratios == [1.0, 3.4] and opts.token_budget == 4096

@@ -10,7 +10,6 @@ import sys
 
 import numpy as np
 import pytest
-from transformers import Qwen3Config
 
 from asyncgrpo_cli.bench.trainer import (
     SHAPES,
@@ -50,28 +49,60 @@ def test_rows_fill_the_budget_and_count_like_the_packer(packer, budget, prompt, 
         assert plan.attn_pairs == int((row.position_ids + 1).sum())
 
 
+def _plan():
+    cfg = TrainerBenchConfig(token_budget=1024, prompt_len=64, completion_len=128)
+    return synthetic_row(np.random.default_rng(0), cfg, 1024, False, 0)
+
+
 def test_step_flops_by_hand():
-    config = Qwen3Config(**SHAPES["tiny"])
-    plan = synthetic_row(
-        np.random.default_rng(0),
-        TrainerBenchConfig(token_budget=1024, prompt_len=64, completion_len=128),
-        1024,
-        False,
-        0,
-    )
-    flops = step_flops(config, body_params=1000, plans=[plan])
-    assert flops["dense"] == 6 * 1000 * 1024
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from asyncgrpo_cli.bench.shapes import shape_config
+    from asyncgrpo_cli.train.flops import StepFlops
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(shape_config(SHAPES["tiny"]))
+    f, plan = StepFlops(model), _plan()
+    flops = step_flops(f, plans=[plan])
+    assert f.body == sum(p.numel() for p in model.parameters()) - 1024 * 128  # tied: one matrix
+    assert flops["dense"] == 6 * f.body * 1024
     assert flops["head"] == 6 * 1024 * 128 * plan.trained
     assert flops["attention"] == 12 * 2 * 4 * 32 * plan.attn_pairs
+    assert flops["linear"] == 0
     assert flops["total"] == flops["dense"] + flops["head"] + flops["attention"]
+
+
+def test_the_hybrid_shape_is_qwen3_5_2b_and_counts_its_delta_rule():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from asyncgrpo_cli.bench.shapes import shape_config
+    from asyncgrpo_cli.train.flops import StepFlops
+
+    config = shape_config(SHAPES["qwen3.5-2b"])
+    assert type(config).__name__ == "Qwen3_5TextConfig" and config.layer_types.count("full_attention") == 6
+    with torch.device("meta"):  # 1.9B parameters: shapes only
+        model = AutoModelForCausalLM.from_config(config)
+    f, plan = StepFlops(model), _plan()
+    flops = step_flops(f, plans=[plan])
+    assert flops["attention"] == 12 * 6 * 8 * 256 * plan.attn_pairs  # the 6 gated-attention layers only
+    assert flops["linear"] == 3 * 18 * 16 * (64 * 8 * 128 + 6 * 128 * 128) * 1024
+    assert f.head == 248320 * 2048 and f.body == f.total_body
 
 
 def test_bad_arguments_name_the_key():
     with pytest.raises(UserError, match="did you mean 'token_budget'"):
         parse_args(["token_budgt=1024"])
-    with pytest.raises(UserError, match=r"bench.shapes \(7b\): pick from 0.6b, 1.7b, tiny"):
+    with pytest.raises(
+        UserError, match=r"bench.shapes \(7b\): pick from 0.6b, 1.7b, qwen3.5-2b, tiny-qwen3.5, tiny"
+    ):
         parse_args(["shapes=7b"])
     assert parse_args(["precision=bf16", "compile=true"]).compile is True
+    with pytest.raises(
+        UserError, match=r"bench.linear_attention_kernel \(triton\) must be auto, torch or fla"
+    ):
+        parse_args(["linear_attention_kernel=triton"])
 
 
 def test_a_baseline_of_other_work_is_flagged(tmp_path):
@@ -95,6 +126,17 @@ def test_bench_on_cpu_writes_json_and_scales_against_a_baseline(tmp_path, capsys
     assert r["shape"] == "tiny" and r["world_size"] == 1 and r["tokens_per_step"] == 1024
     assert r["tokens_per_s"] > 0 and r["model_tflops_per_gpu"] > 0 and r["mfu"] is None  # no peak on CPU
     assert r["scaling_efficiency"] > 0
+
+
+@pytest.mark.parametrize("packing", ["tree", "sequence"])
+def test_bench_runs_the_tiny_hybrid_through_load_policy_on_cpu(tmp_path, capsys, packing):
+    out = tmp_path / "hybrid.json"
+    args = [a for a in TINY if not a.startswith("shapes=")]
+    main([*args, "shapes=tiny-qwen3.5", "steps=1", f"packing={packing}", f"out={out}"])
+    assert "gated DeltaNet: torch" in capsys.readouterr().out  # the kernel that ran: pure torch on CPU
+    r = json.loads(out.read_text())["results"][0]
+    assert r["shape"] == "tiny-qwen3.5" and r["linear_attention_kernel"] == "torch"
+    assert r["tokens_per_step"] == 1024 and r["model_tflops_per_gpu"] > 0 and r["mfu"] is None
 
 
 @pytest.mark.dist

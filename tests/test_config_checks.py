@@ -225,3 +225,70 @@ def test_agent_settings_are_checked_with_their_keys():
         in _errors("data=environment", "rollout.environment_factory=increment", "trainer.max_steps=-1")[0]
     )
     assert "not supported by asyncgrpo distill" in _distill_errors("rollout.tools=[calculator]")[0]
+
+
+def test_check_names_the_linear_attention_layers_and_kernel_without_torch(tmp_path):
+    """``asyncgrpo check`` reads config.json where it is on disk (a built-in in the cache, a local directory) and
+    says which layers are gated DeltaNet and which kernel loading will pick; torch is never imported."""
+    import json
+
+    from asyncgrpo_cli.bench.shapes import QWEN3_5_SHAPES
+    from asyncgrpo_cli.model.resolve import resolve_model_path
+
+    resolve_model_path("builtin:tiny-qwen3.5")  # in the cache, as after a first run
+    local = tmp_path / "qwen3.5-2b"
+    local.mkdir()
+    layer_types = QWEN3_5_SHAPES["qwen3.5-2b"]["layer_types"]
+    (local / "config.json").write_text(json.dumps({"text_config": {"layer_types": layer_types}}))
+    code = (
+        "import sys; from asyncgrpo_cli.cli import main\n"
+        "for args in sys.argv[1:]:\n"
+        "    main(['check', '+recipe=tiny', *args.split()])\n"
+        "    print('=====')\n"
+        "assert 'torch' not in sys.modules, 'check imported torch'\n"
+    )
+    runs = [
+        "model.name_or_path=builtin:tiny-qwen3.5 trainer.device=cpu",
+        f"model.name_or_path={local} trainer.device=cuda model.linear_attention_kernel=torch",
+        "model.name_or_path=someone/not-downloaded-hybrid trainer.device=cpu",
+        "model.name_or_path=builtin:tiny-qwen3",
+    ]
+    env = {**os.environ, "COLUMNS": "400"}  # one table line per plan line
+    out = subprocess.run(
+        [sys.executable, "-c", code, *runs],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    tiny, big, hub, dense = (" ".join(part.split()) for part in out.stdout.split("=====")[:4])
+    assert (
+        "gated DeltaNet in 3 of 4 decoder layers (0-2); full attention in 3; packed exactly per sample / branch; "
+        "kernel: torch (pure-torch chunked; model.linear_attention_kernel=auto, trainer.device=cpu)" in tiny
+    )
+    assert "gated DeltaNet in 18 of 24 decoder layers (0-2, 4-6, 8-10, 12-14, 16-18, 20-22)" in big
+    assert "full attention in 3, 7, 11, 15, 19, 23" in big and "kernel: torch (pure-torch chunked" in big
+    assert "decided at load (someone/not-downloaded-hybrid has no local copy)" in hub
+    assert "linear attention" not in dense and all("config OK" in t for t in (tiny, big, hub, dense))
+
+
+def test_the_kernel_check_predicts_follows_the_loaders_rule():
+    from asyncgrpo_cli.model.layers_plan import layer_types, planned_kernel
+
+    assert planned_kernel("auto", "cuda", True).startswith("fla (Triton chunk kernels")
+    assert planned_kernel("auto", "cuda", False).startswith(
+        "torch (pure-torch chunked, exact but slow on CUDA"
+    )
+    assert planned_kernel("auto", "cpu", True).startswith("torch")
+    assert planned_kernel("auto", "auto", True).startswith("fla on CUDA, torch on CPU")
+    assert planned_kernel("fla", "cpu", True).startswith("none: loading refuses it, fla needs CUDA")
+    assert planned_kernel("fla", "cuda", False).startswith("none: loading refuses it, fla-core not installed")
+    assert planned_kernel("torch", "cuda", True).startswith("torch")
+    # a Qwen3-Next config.json lists no layer_types: transformers derives them from full_attention_interval
+    derived = layer_types({"model_type": "qwen3_next", "num_hidden_layers": 8, "full_attention_interval": 4})
+    assert derived == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + [
+        "full_attention"
+    ]
+    assert layer_types({"model_type": "qwen3", "num_hidden_layers": 8}) == []

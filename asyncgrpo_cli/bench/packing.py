@@ -6,25 +6,30 @@ chosen so that the packing ratio (sample tokens / tree-forwarded tokens) hits ea
 plans, packs and runs forward + backward over the same samples with each packer, through the trainer's own code:
 the packer's planner (``packing.planner_for``) and ``train/step.py:forward_backward`` (packing, the attention
 path of ``model.attn_implementation=auto``: compiled flex on CUDA, SDPA on CPU, the chunked LM head, the default
-score-centering loss with 8 sampler top-k ids), with gradient checkpointing. Models are Qwen3 shapes built from a
-hand-written config with random weights (bf16 on CUDA, fp32 on CPU; nothing is downloaded).
+score-centering loss with 8 sampler top-k ids), with gradient checkpointing. Models are Qwen3 shapes and Qwen3.5-2B's
+gated-DeltaNet hybrid, written as a weightless checkpoint (config.json from a hand-written config, no tensors) and
+loaded by the trainer's ``load_policy`` (random weights, bf16 on CUDA, fp32 on CPU; nothing is downloaded): hybrids
+get the packed gated-DeltaNet forward with ``kernel`` (model.linear_attention_kernel) resolved for the device, and
+the table's shape column names the kernel that ran (``qwen3.5-2b (GDN fla)``).
 
 Reported per shape and ratio, tree and sequence side by side:
   - eff tok/s: sample tokens (Σ L over the samples) per second, the throughput that matters; tree / seq is its
     ratio (the same samples, so the inverse ratio of step times), next to the FLOP bound (model FLOPs of the
     sequence plan / of the tree plan: the speed-up if both ran at the same MFU);
   - MFU: model FLOPs of the forwarded tokens per second / 989 TFLOP/s (H100 / H200 dense bf16), with model FLOPs
-    = 6 N T (N: decoder-layer parameters, T: forwarded tokens) + 6 H V N_trained (the chunked head projects only
-    trained positions) + 12 layers x heads x head_dim x pairs (QKᵀ and AV, forward and backward, over the attended
-    query-key pairs); recomputation is not counted. eff MFU counts the sequence plan's FLOPs instead;
+    ``train/flops.py:StepFlops`` = 6 N T (N: active body parameters, T: forwarded tokens) + 6 H V N_trained (the
+    chunked head projects only trained positions) + 12 full-attention layers x heads x head_dim x pairs (QKᵀ and
+    AV, forward and backward, over the attended query-key pairs) + G T (hybrids: the gated-DeltaNet chunked
+    recurrence per token); recomputation is not counted. eff MFU counts the sequence plan's FLOPs instead;
   - peak GiB: ``torch.cuda.max_memory_allocated`` over the timed steps;
   - plan+pack %: planning and packing (CPU time on the step's critical path) as a share of the step.
 Warm-up steps (one compilation per row-length bucket) are excluded; every timed step ends with a synchronize.
 
 Usage: asyncgrpo bench packing [shapes=0.6b,1.7b] [ratios=1,2,3.4,8] [token_budget=16384] [rows=4] [steps=3]
-       [warmup=1] [group_size=16] [completion_len=256] [device=auto] [threads=0] [out=results.json]
-``rows``: tree rows per step (the number of groups follows); shapes: 0.6b, 1.7b, tiny (CUDA defaults: 0.6b,1.7b,
-budget 16384, C 256; CPU defaults: tiny, budget 512, C 16).
+       [warmup=1] [group_size=16] [completion_len=256] [device=auto] [kernel=auto] [threads=0] [out=results.json]
+``rows``: tree rows per step (the number of groups follows); shapes: 0.6b, 1.7b, qwen3.5-2b, tiny, tiny-qwen3.5
+(CUDA defaults: 0.6b,1.7b, budget 16384, C 256; CPU defaults: tiny, budget 512, C 16); ``kernel``: auto, torch or
+fla for hybrids' gated-DeltaNet layers.
 """
 
 from __future__ import annotations
@@ -37,13 +42,14 @@ from typing import Any
 
 import numpy as np
 
-from asyncgrpo_cli.bench.shapes import PEAK_BF16_TFLOPS, QWEN3_SHAPES
+from asyncgrpo_cli.bench.shapes import PEAK_BF16_TFLOPS, QWEN3_5_SHAPES, QWEN3_SHAPES, weightless_checkpoint
 from asyncgrpo_cli.errors import UserError
 
 PEAK_FLOPS = PEAK_BF16_TFLOPS * 1e12
 SHAPES = {
     **QWEN3_SHAPES,
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    **QWEN3_5_SHAPES,
+    "tiny": dict(model_type="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  intermediate_size=128, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=40960),
 }  # fmt: skip
 TOPK = 8
@@ -60,6 +66,7 @@ class Options:
     group_size: int = 16
     completion_len: int = 0
     device: str = "auto"
+    kernel: str = "auto"
     threads: int = 0
     out: str = ""
 
@@ -170,32 +177,28 @@ class RecordingPacker:
         return row
 
 
-def build_model(shape: str, device: Any) -> Any:
-    """A Qwen3 of the given shape with random weights: bf16 on CUDA, fp32 elsewhere; checkpointing on."""
+def build_model(shape: str, device: Any, kernel: str = "auto") -> Any:
+    """The shape with random weights as training loads it (``load_policy`` on a weightless checkpoint: attention
+    resolved for ``device``, hybrids' packed gated-DeltaNet forward with ``kernel``, checkpointing on); bf16 on
+    CUDA, fp32 elsewhere."""
+    import tempfile
+    from pathlib import Path
+
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    from asyncgrpo_cli.model.flex import resolve_attn_implementation
+    from asyncgrpo_cli.config.schema import ModelConfig
+    from asyncgrpo_cli.model.loading import load_policy
 
-    cfg = Qwen3Config(**SHAPES[shape], attn_implementation=resolve_attn_implementation("auto", device))
+    hf_logging.set_verbosity_error()  # the weightless checkpoint's "newly initialized" report
+    hf_logging.disable_progress_bar()
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    cfg = ModelConfig(
+        name_or_path=shape, dtype=dtype, gradient_checkpointing=True, linear_attention_kernel=kernel
+    )
     torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(cfg)
-    model.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model.config.use_cache = False
-    if hasattr(model, "activation_checkpointing_enable"):  # as model/loading.py does
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
-
-
-def flops_per(model: Any) -> tuple[int, int, int]:
-    """(per forwarded token, per trained token, per attended pair) model FLOPs of forward + backward."""
-    cfg = model.config
-    body = sum(p.numel() for p in model.get_decoder().layers.parameters())
-    head = model.get_output_embeddings().weight.numel()
-    return 6 * body, 6 * head, 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
+    with tempfile.TemporaryDirectory(prefix="asyncgrpo-bench-") as tmp:
+        return load_policy(weightless_checkpoint(SHAPES[shape], Path(tmp) / shape), cfg, device)
 
 
 def run_packer(kind: str, model: Any, samples: list, opts: Options, device: Any) -> dict:
@@ -205,6 +208,7 @@ def run_packer(kind: str, model: Any, samples: list, opts: Options, device: Any)
     from asyncgrpo_cli import registry
     from asyncgrpo_cli.config.schema import LossConfig, PackingConfig
     from asyncgrpo_cli.packing import planner_for
+    from asyncgrpo_cli.train.flops import StepFlops
     from asyncgrpo_cli.train.step import forward_backward
 
     cuda = device.type == "cuda"
@@ -230,19 +234,20 @@ def run_packer(kind: str, model: Any, samples: list, opts: Options, device: Any)
             plan_pack_s.append(t_plan + packer.seconds)
     rows = packer.rows
     pairs = sum(int((r.leave - torch.arange(r.num_forwarded)).sum()) for r in rows)
-    per_token, per_trained, per_pair = flops_per(model)
     forwarded, trained = sum(r.num_forwarded for r in rows), sum(r.num_trained for r in rows)
     t = statistics.median(step_s)
     return dict(
         rows=len(rows), forwarded_tokens=forwarded, sample_tokens=sum(r.num_unpacked for r in rows),
         trained_tokens=trained, attention_pairs=pairs, step_s=t, plan_pack_s=statistics.median(plan_pack_s),
-        model_flops=per_token * forwarded + per_trained * trained + per_pair * pairs,
+        model_flops=StepFlops(model)(forwarded, trained, pairs),
         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
     )  # fmt: skip
 
 
 def bench_ratio(shape: str, ratio: float, model: Any, opts: Options, device: Any, vocab: int) -> dict:
     """One shape and ratio: the workload, both packers, and the derived throughputs."""
+    from asyncgrpo_cli.model.gdn.layer import installed_kernel
+
     g, c = opts.group_size, opts.completion_len
     p, samples = workload(ratio, opts, vocab)
     groups = len(samples) // g
@@ -256,7 +261,8 @@ def bench_ratio(shape: str, ratio: float, model: Any, opts: Options, device: Any
         r["effective_mfu"] = seq_flops / r["step_s"] / PEAK_FLOPS if device.type == "cuda" else None
     tree, seq = res["tree"], res["sequence"]
     return dict(
-        shape=shape, ratio_target=ratio, ratio=tree["sample_tokens"] / tree["forwarded_tokens"], group_size=g,
+        shape=shape, linear_attention_kernel=installed_kernel(model), ratio_target=ratio,
+        ratio=tree["sample_tokens"] / tree["forwarded_tokens"], group_size=g,
         prompt_len=p, completion_len=c, groups=groups, samples=len(samples), token_budget=opts.token_budget,
         speedup=seq["step_s"] / tree["step_s"], flop_bound=seq_flops / tree["model_flops"], tree=tree, sequence=seq,
     )  # fmt: skip
@@ -275,8 +281,10 @@ def table_row(r: dict) -> list[str]:
         return "-" if x is None else f"{x:.1f}"
 
     t, s = r["tree"], r["sequence"]
+    kernel = r.get("linear_attention_kernel")
     return [
-        r["shape"], f"{r['ratio']:.2f}", f"{r['group_size']} x ({r['prompt_len']}+{r['completion_len']})",
+        r["shape"] + (f" (GDN {kernel})" if kernel else ""), f"{r['ratio']:.2f}",
+        f"{r['group_size']} x ({r['prompt_len']}+{r['completion_len']})",
         f"{t['effective_tok_s']:,.0f}", f"{s['effective_tok_s']:,.0f}", f"{r['speedup']:.2f}x",
         f"{r['flop_bound']:.2f}x", pct(t["mfu"]), pct(s["mfu"]), pct(t["effective_mfu"]), gib(t["peak_gib"]),
         gib(s["peak_gib"]), pct(t["plan_pack_s"] / t["step_s"]), pct(s["plan_pack_s"] / s["step_s"]),
@@ -313,7 +321,7 @@ def main(argv: list[str]) -> None:
     meta = dict(device=where, torch=torch.__version__, peak_flops=PEAK_FLOPS, options=asdict(opts))
     results = []
     for shape in opts.shapes:
-        model = build_model(shape, device)
+        model = build_model(shape, device, opts.kernel)
         for ratio in opts.ratios:
             results.append(bench_ratio(shape, ratio, model, opts, device, model.config.vocab_size))
             print("| " + " | ".join(table_row(results[-1])) + " |", flush=True)

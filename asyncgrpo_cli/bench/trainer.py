@@ -5,7 +5,9 @@ Usage (one process per GPU; rank 0 prints the table)::
     torchrun --standalone --nproc-per-node N -m asyncgrpo_cli bench trainer [KEY=VALUE ...]
     asyncgrpo bench trainer shapes=tiny device=cpu steps=2        # CPU smoke test
 
-Keys (:class:`TrainerBenchConfig`): ``shapes=0.6b,1.7b`` (Qwen3 shapes, random weights, built without the hub),
+Keys (:class:`TrainerBenchConfig`): ``shapes=0.6b,1.7b`` (Qwen3 shapes; ``qwen3.5-2b``: Qwen3.5-2B's gated-DeltaNet
+hybrid text decoder; ``tiny``, ``tiny-qwen3.5``: CPU smoke tests; random weights, built without the hub),
+``linear_attention_kernel`` (model.linear_attention_kernel of hybrids: auto, torch, fla),
 ``token_budget`` (forwarded tokens per row, one row per rank per micro-batch), ``grad_accum``, ``precision``,
 ``gradient_checkpointing``, ``compile``, ``reshard_after_forward``, ``packing``, ``attn``, ``steps``, ``warmup``,
 ``out=PATH`` (JSON), ``baseline=PATH`` (a 1-GPU JSON: adds scaling efficiency = tokens/s per GPU over the
@@ -14,7 +16,8 @@ baseline's).
 Each step is the trainer's own path: rank 0 builds the rows and scatters them (``scatter_step``), every rank packs
 its row (``packing.kind``), runs ``forward_backward`` (decoder with the configured attention, chunked LM head,
 loss), reduces the loss metrics, then ``clip_and_step`` (fused AdamW on CUDA). The model comes from
-``load_policy`` (a weightless checkpoint: every weight is initialized at random, seeded alike on every rank) and
+``load_policy`` (a weightless checkpoint: every weight is initialized at random, seeded alike on every rank; for
+hybrids the packed gated-DeltaNet forward with the resolved kernel, printed in the table's last column) and
 FSDP2's ``shard_model``. Rows are filled to exactly ``token_budget`` forwarded tokens with GRPO-like groups
 (``group_size`` completions of one prompt), so every rank does the same work. Timed: packing, forward+backward,
 metric reduction and the optimizer step, between ``torch.cuda.synchronize`` calls; row generation and the
@@ -38,12 +41,16 @@ from typing import Any
 
 import numpy as np
 
-from asyncgrpo_cli.bench.shapes import PEAK_BF16_TFLOPS, QWEN3_SHAPES
+from asyncgrpo_cli.bench.shapes import PEAK_BF16_TFLOPS, QWEN3_5_SHAPES, QWEN3_SHAPES, weightless_checkpoint
 from asyncgrpo_cli.errors import UserError
 
 SHAPES: dict[str, dict[str, Any]] = {
     **QWEN3_SHAPES,
+    **QWEN3_5_SHAPES,
     "tiny": {
+        "model_type": "qwen3",
+        "max_position_embeddings": 40960,
+        "rope_theta": 1_000_000.0,
         "vocab_size": 1024,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
@@ -58,18 +65,20 @@ PRECISIONS = {"mixed": ("float32", "bfloat16"), "bf16": ("bfloat16", None), "fp3
 """precision -> (model.dtype, trainer.mixed_precision)."""
 MIN_COMPLETION = 16
 FLOP_FORMULA = (
-    "model FLOPs per step = 6·N·T + 6·V·H·T_head + 12·layers·heads·head_dim·P, where N = parameters without the "
-    "embedding / LM-head matrix, T = forwarded tokens, T_head = positions projected through the LM head (trained "
-    "tokens; the chunked head projects no others), V·H = LM-head matrix, P = attended (query, key) pairs, causal "
-    "within each sample (Σ position+1; a shared prompt counted once under tree packing). Recomputation (gradient "
-    "checkpointing, the head's backward) is not counted. MFU = FLOPs / step time / (GPUs · peak_tflops)."
+    "model FLOPs per step = 6·N·T + 6·V·H·T_head + 12·A·P + G·T (train/flops.py), where N = active parameters "
+    "without the embedding / LM-head matrix (MoE: routed experts x top-k / experts), T = forwarded tokens, T_head = "
+    "positions projected through the LM head (trained tokens; the chunked head projects no others), V·H = LM-head "
+    "matrix, A = full-attention layers·heads·head_dim, P = attended (query, key) pairs, causal within each sample "
+    "(Σ position+1; a shared prompt counted once under tree packing), G = gated-DeltaNet chunked recurrence FLOPs "
+    "per token (hybrids; 0 otherwise). Recomputation (gradient checkpointing, the head's backward) is not counted. "
+    "MFU = FLOPs / step time / (GPUs · peak_tflops)."
 )
 
 
 @dataclass
 class TrainerBenchConfig:
     shapes: str = "0.6b,1.7b"
-    """Comma-separated model shapes: 0.6b, 1.7b (Qwen3), tiny (CPU smoke test)."""
+    """Comma-separated model shapes: 0.6b, 1.7b (Qwen3), qwen3.5-2b (hybrid), tiny, tiny-qwen3.5 (CPU smoke tests)."""
     device: str = "auto"
     token_budget: int = 16384
     grad_accum: int = 1
@@ -83,6 +92,8 @@ class TrainerBenchConfig:
     """Packer (packing.kind); None: the project's default."""
     attn: str | None = None
     """model.attn_implementation; None: the project's default (auto: flex attention on CUDA)."""
+    linear_attention_kernel: str = "auto"
+    """model.linear_attention_kernel of hybrid shapes: auto (fla on CUDA when installed, else torch), torch, fla."""
     loss: str = "score_centering"
     prompt_len: int = 512
     completion_len: int = 4096
@@ -127,6 +138,10 @@ def _range_errors(cfg: TrainerBenchConfig) -> list[str]:
             f"bench.precision ({cfg.precision}) must be one of {', '.join(PRECISIONS)}",
         ),
         (cfg.device in ("auto", "cuda", "cpu"), f"bench.device ({cfg.device}) must be auto, cuda or cpu"),
+        (
+            cfg.linear_attention_kernel in ("auto", "torch", "fla"),
+            f"bench.linear_attention_kernel ({cfg.linear_attention_kernel}) must be auto, torch or fla",
+        ),
         (cfg.steps >= 1 and cfg.warmup >= 0 and cfg.grad_accum >= 1, "bench.steps / grad_accum must be >= 1"),
         (
             cfg.token_budget >= cfg.prompt_len + MIN_COMPLETION,
@@ -208,28 +223,14 @@ def synthetic_row(
     return plan
 
 
-def step_flops(config: Any, body_params: int, plans: list[RowPlan]) -> dict[str, float]:
-    """Model FLOPs of the rows in ``plans`` (see ``FLOP_FORMULA``), by term."""
-    h, v = config.hidden_size, config.vocab_size
-    attn_width = config.num_hidden_layers * config.num_attention_heads * config.head_dim
-    dense = 6.0 * body_params * sum(r.forwarded for r in plans)
-    head = 6.0 * v * h * sum(r.trained for r in plans)
-    attention = 12.0 * attn_width * sum(r.attn_pairs for r in plans)
-    return {"dense": dense, "head": head, "attention": attention, "total": dense + head + attention}
+def step_flops(flops: Any, plans: list[RowPlan]) -> dict[str, float]:
+    """Model FLOPs of the rows in ``plans`` by term (``flops``: the model's ``train.flops.StepFlops``)."""
+    return flops.terms(
+        sum(r.forwarded for r in plans), sum(r.trained for r in plans), sum(r.attn_pairs for r in plans)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- one shape
-def _weightless_checkpoint(shape: str, root: Path) -> str:
-    """config.json plus an empty safetensors file: ``load_policy`` then initializes every weight at random."""
-    from safetensors.torch import save_file
-    from transformers import Qwen3Config
-
-    path = root / shape
-    Qwen3Config(
-        **{"max_position_embeddings": 40960, "rope_theta": 1_000_000.0, **SHAPES[shape]}
-    ).save_pretrained(path)
-    save_file({}, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return str(path)
 
 
 @dataclass
@@ -243,8 +244,10 @@ class _Trainer:
     packer: Any
     shared_prompt: bool
     max_grad_norm: float
-    body_params: int
-    """Parameters without the embedding / LM-head matrix (N of the FLOP formula)."""
+    flops: Any
+    """The model's ``train.flops.StepFlops`` (N = its active body parameters)."""
+    linear_kernel: str | None
+    """The gated-DeltaNet kernel ``load_policy`` installed (fla or torch); None for a model without such layers."""
 
 
 def build_trainer(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, root: Path) -> _Trainer:
@@ -253,13 +256,18 @@ def build_trainer(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, r
 
     from asyncgrpo_cli import registry
     from asyncgrpo_cli.config.schema import LossConfig, ModelConfig, PackingConfig, TrainerConfig
+    from asyncgrpo_cli.model.gdn.layer import installed_kernel
     from asyncgrpo_cli.model.loading import load_policy
     from asyncgrpo_cli.train.distributed import compile_decoder_layers, shard_model
+    from asyncgrpo_cli.train.flops import StepFlops
     from asyncgrpo_cli.train.optim import build_optimizer, build_scheduler
 
     dtype, mixed = PRECISIONS[cfg.precision]
     model_cfg = ModelConfig(
-        name_or_path=shape, dtype=dtype, gradient_checkpointing=cfg.gradient_checkpointing
+        name_or_path=shape,
+        dtype=dtype,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        linear_attention_kernel=cfg.linear_attention_kernel,
     )
     if cfg.attn is not None:
         model_cfg.attn_implementation = cfg.attn
@@ -267,9 +275,8 @@ def build_trainer(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, r
         mixed_precision=mixed, compile=cfg.compile, reshard_after_forward=cfg.reshard_after_forward
     )
     torch.manual_seed(cfg.seed)
-    model = load_policy(_weightless_checkpoint(shape, root), model_cfg, device)
-    head = model.config.vocab_size * model.config.hidden_size * (1 if model.config.tie_word_embeddings else 2)
-    body_params = sum(p.numel() for p in model.parameters()) - head
+    model = load_policy(weightless_checkpoint(SHAPES[shape], root / shape), model_cfg, device)
+    flops = StepFlops(model)
     if tcfg.compile:
         compile_decoder_layers(model)
     model = shard_model(
@@ -285,7 +292,8 @@ def build_trainer(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, r
         packer=registry.resolve("packer", packing.kind)(packing),
         shared_prompt=packing.kind == "tree",
         max_grad_norm=tcfg.max_grad_norm,
-        body_params=body_params,
+        flops=flops,
+        linear_kernel=installed_kernel(model),
     )
 
 
@@ -324,7 +332,7 @@ def timed_steps(t: _Trainer, cfg: TrainerBenchConfig, info: Any, device: Any) ->
                 RankStep(done=False, rows=[p.samples for p in rank], num_trained=trained) for rank in plans
             ]
             if step >= cfg.warmup:
-                flops += step_flops(config, t.body_params, [p for rank in plans for p in rank])["total"]
+                flops += step_flops(t.flops, [p for rank in plans for p in rank])["total"]
         mine = scatter_step(per_rank, info)
         t0 = _sync_time(device)
         res = forward_backward(
@@ -361,7 +369,7 @@ def bench_shape(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, roo
         device,
     )
     step_s, opt_max, peak = worst[:n], worst[n : 2 * n], worst[2 * n :]
-    body_params = t.body_params
+    body_params, total_params, kernel = t.flops.body, t.flops.total_body, t.linear_kernel
     del t  # free the model and optimizer before the next shape
     _release(device, cfg.compile)
     mean_step = float(np.mean(step_s))
@@ -370,6 +378,8 @@ def bench_shape(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, roo
     return {
         "shape": shape,
         "body_params": body_params,
+        "total_body_params": total_params,
+        "linear_attention_kernel": kernel,
         "world_size": info.world_size,
         "attn_implementation": attn,
         "tokens_per_step": tokens,
@@ -425,6 +435,7 @@ SAME_WORK = (
     "compile",
     "packing",
     "attn",
+    "linear_attention_kernel",
     "loss",
     "prompt_len",
     "completion_len",
@@ -432,6 +443,8 @@ SAME_WORK = (
     "num_topk",
 )
 """Keys a baseline must share for its tokens/s to be comparable."""
+LATER_KEYS = {"linear_attention_kernel": "auto"}
+"""Keys added after baselines were written, with the value those runs had."""
 
 
 def load_baseline(path: str, cfg: TrainerBenchConfig) -> tuple[dict[str, dict], list[str]]:
@@ -441,7 +454,8 @@ def load_baseline(path: str, cfg: TrainerBenchConfig) -> tuple[dict[str, dict], 
         by_shape = {r["shape"]: r for r in data["results"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"bench.baseline={path!r} is not a JSON written by out= ({e})") from e
-    return by_shape, [k for k in SAME_WORK if data.get("config", {}).get(k) != getattr(cfg, k)]
+    recorded = {**LATER_KEYS, **data.get("config", {})}
+    return by_shape, [k for k in SAME_WORK if recorded.get(k) != getattr(cfg, k)]
 
 
 def add_efficiency(result: dict[str, Any], baseline: dict[str, dict]) -> None:
@@ -458,7 +472,7 @@ def preamble(cfg: TrainerBenchConfig, env: dict[str, Any]) -> str:
         f"{cfg.gradient_checkpointing}, compile={cfg.compile}, reshard_after_forward={cfg.reshard_after_forward}, "
         f"token_budget={cfg.token_budget}, grad_accum={cfg.grad_accum}, {cfg.steps} timed steps after "
         f"{cfg.warmup} warm-up\n"
-        f"{'shape':>6} {'GPUs':>4} {'tok/step':>9} {'step s':>7} {'opt s':>6} {'tok/s':>9} {'tok/s/GPU':>9} "
+        f"{'shape':>12} {'GPUs':>4} {'tok/step':>9} {'step s':>7} {'opt s':>6} {'tok/s':>9} {'tok/s/GPU':>9} "
         f"{'TFLOP/s/GPU':>11} {'MFU':>6} {'peak GiB':>8} {'eff':>6}  attention"
     )
 
@@ -467,10 +481,11 @@ def table_row(r: dict[str, Any]) -> str:
     mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
     eff = r.get("scaling_efficiency")
     return (
-        f"{r['shape']:>6} {r['world_size']:>4} {r['tokens_per_step']:>9} {r['step_s']:>7.3f} "
+        f"{r['shape']:>12} {r['world_size']:>4} {r['tokens_per_step']:>9} {r['step_s']:>7.3f} "
         f"{r['optimizer_s']:>6.3f} {r['tokens_per_s']:>9.0f} {r['tokens_per_s_per_gpu']:>9.0f} "
         f"{r['model_tflops_per_gpu']:>11.4g} {mfu:>6} {r['peak_allocated_gib']:>8.1f} "
         f"{f'{100 * eff:.0f}%' if eff is not None else '-':>6}  {r['attn_implementation']}"
+        + (f", gated DeltaNet: {r['linear_attention_kernel']}" if r.get("linear_attention_kernel") else "")
     )
 
 

@@ -171,7 +171,13 @@ def install(model: nn.Module, kernel: str) -> LinearAttentionInfo | None:
         module._asyncgrpo_stock_forward = stock
         module.forward = functools.partial(_forward, module, stock, rule)
     model._asyncgrpo_gdn_taps = conv_taps(model)
+    model._asyncgrpo_gdn_kernel = kernel
     return LinearAttentionInfo(tuple(i for i, _ in modules), "+".join(sorted(families)), kernel)
+
+
+def installed_kernel(model: nn.Module) -> str | None:
+    """The kernel :func:`install` gave ``model``'s linear-attention layers (``fla`` / ``torch``); None if none."""
+    return getattr(model, "_asyncgrpo_gdn_kernel", None)
 
 
 def conv_taps(model: nn.Module) -> int:

@@ -133,7 +133,7 @@ HYBRID_LAYER_TYPES = ("linear_attention", "linear_attention", "linear_attention"
 def build_tiny_qwen3_5(dest: Path, *, seed: int = 0, hidden_size: int = 128) -> Path:
     """Write a tiny Qwen3.5 hybrid (3 gated-DeltaNet layers then 1 attention layer) + tokenizer to ``dest``.
 
-    The DeltaNet layers have 2 key heads and 4 value heads (grouped value heads, as Qwen3.5-2B's 16 / 32) of dim
+    The DeltaNet layers have 2 key heads and 4 value heads (grouped value heads, as the larger Qwen3.5 models' 16 / 32) of dim
     32 and the short convolution of the released models (kernel 4); attention has 4 query / 2 KV heads of dim 32
     with the output gate and partial rotary embedding of the family.
     """

@@ -383,3 +383,23 @@ def test_fla_level_orchestration_with_a_reference_kernel(monkeypatch):
         for a, b in zip(got_grads, want_grads, strict=True):
             assert (a - b).abs().max() < 1e-4 * max(1.0, float(b.abs().max()))
     assert len(build_plan(row.leave, 4).segment_levels) >= 3
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_hybrid_with_flex_attention_block_mask(hybrid_dir):
+    """Flex attention (the CUDA default) hands its BlockMask to the attention layers only: the hybrid decoder gets a
+    mask per layer type (it would otherwise derive a recurrent-layer mask from the BlockMask and fail). Forward
+    on CPU (flex has no CPU backward)."""
+    from asyncgrpo_cli.model.flex import FLEX_IMPL, register_flex
+
+    register_flex()
+    samples = branching_samples(seed=8)
+    row = PACKERS["tree"]().pack(samples)
+    want = token_logprobs(load(hybrid_dir), row, 1.0, False).logprobs
+    model = AutoModelForCausalLM.from_pretrained(
+        hybrid_dir, dtype=torch.float32, attn_implementation=FLEX_IMPL
+    )
+    install(model, "torch")
+    with torch.no_grad():
+        got = token_logprobs(model, row, 1.0, False).logprobs
+    assert (got - want.detach()).abs().max() < 1e-4

@@ -33,7 +33,7 @@ from torch import nn
 
 from asyncgrpo_cli.model.chunked_head import LogitTransform, chunked_token_stats
 from asyncgrpo_cli.model.flex import FLEX_IMPLS, row_block_mask
-from asyncgrpo_cli.model.gdn import recurrence_kwargs
+from asyncgrpo_cli.model.gdn import layer_masks, recurrence_kwargs
 from asyncgrpo_cli.model.router import RouterAux, router_decoder_kwargs, row_aux_loss
 from asyncgrpo_cli.packing.row import PackedRow
 
@@ -144,7 +144,7 @@ def token_logprobs(
     out = decoder(
         input_ids=row.input_ids,
         position_ids=row.position_ids,
-        attention_mask=_attention_mask(model, row, model.dtype),
+        attention_mask=layer_masks(model, _attention_mask(model, row, model.dtype)),
         use_cache=False,
         **recurrence_kwargs(model, row),
         **router_decoder_kwargs(router),

@@ -16,3 +16,17 @@ def recurrence_kwargs(model: Any, row: Any) -> dict[str, Any]:
     from asyncgrpo_cli.model.gdn.plan import build_plan
 
     return {PLAN_KWARG: build_plan(row.leave, taps)}
+
+
+def layer_masks(model: Any, mask: Any) -> Any:
+    """The attention mask argument of a hybrid decoder: one entry per layer type (transformers' Qwen3.5 /
+    Qwen3-Next decoders take such a dict as is), the row's mask for attention layers and None for linear ones.
+
+    Passing the mask itself would make the decoder derive a recurrent-layer mask from it, which fails for a flex
+    ``BlockMask``; the packed linear-attention forward reads the row's plan instead. Other models: ``mask``.
+    """
+    if getattr(model, "_asyncgrpo_gdn_taps", None) is None:
+        return mask
+    config = model.config
+    types = getattr(config, "layer_types", None) or getattr(getattr(config, "text_config", None), "layer_types", ())
+    return {t: (None if "linear" in str(t) else mask) for t in dict.fromkeys(types)}

@@ -14,6 +14,15 @@ One engine step (under the engine lock):
 KV enters the prefix cache only if no ``clear()`` (a weight update, ``reset_prefix_cache``) happened since its
 sequence was admitted (``PrefixCache.epoch``). Prompt-logprob requests are prefilled whole (``scored_prefill``).
 
+Hybrid models (gated-DeltaNet linear-attention layers beside attention layers, e.g. Qwen3.5) run in the same
+batching engine with a state per sequence: each row carries its linear layers' conv window and recurrent state
+beside the attention KV (``kvcache.py``), decode steps batch every running row (one token each, no padding:
+exact), and a prefill batch holds only prompts (or tails after a cached prefix) of one length, because padding
+is not exact for the recurrent layers; distinct prompts of other lengths go in batches of their own. The prefix
+cache works for them as it does for dense models: an entry holds the state after exactly its tokens and is
+reused whole. This was chosen over one request per forward: it is as exact (rows never interact) and keeps
+batched decoding, at the price of a few lines of state surgery in ``BatchKV``.
+
 ``pause(mode)`` follows vLLM: ``keep`` freezes in-flight rows until ``resume()``, ``wait`` drains what was submitted
 before the call, ``abort`` finishes everything in flight with ``finish_reason="abort"`` and its partial output.
 Requests submitted while paused wait for ``resume()``; they are never rejected.
@@ -40,6 +49,7 @@ from asyncgrpo_cli.embedded.kvcache import (
     PrefixHit,
     RowKV,
     forward,
+    linear_layers,
     prefill,
     prefill_tails,
 )
@@ -124,6 +134,8 @@ class GenerationEngine:
                 f"kv_cache_tokens ({kv_cache_tokens}) must hold one max_model_len ({max_model_len})"
             )
         self.model = model
+        self._hybrid = bool(linear_layers(model))
+        """Prefill batches hold inputs of one length (no padding through the linear-attention layers)."""
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -392,13 +404,15 @@ class GenerationEngine:
             else:
                 todo[seq.key] = hit
         whole = sorted((k for k, hit in todo.items() if hit is None), key=lambda k: len(k[1]))
-        for chunk in _chunks(whole, self.max_prefill_tokens, lambda k: len(k[1])):
+        same = (lambda k: len(k[1])) if self._hybrid else None
+        for chunk in _chunks(whole, self.max_prefill_tokens, lambda k: len(k[1]), same):
             with lora_batch(self.model, [adapter for adapter, _ in chunk]):
                 rows, logits = prefill(self.model, [prompt for _, prompt in chunk])
             self._store(chunk, rows, logits, found, sum(len(p) for _, p in chunk))
         tails = {k: hit for k, hit in todo.items() if hit is not None}
         ordered = sorted(tails, key=lambda k: len(k[1]) - tails[k].length)
-        for chunk in _chunks(ordered, self.max_prefill_tokens, lambda k: len(k[1])):
+        tail_len = (lambda k: len(k[1]) - tails[k].length) if self._hybrid else None
+        for chunk in _chunks(ordered, self.max_prefill_tokens, lambda k: len(k[1]), tail_len):
             with lora_batch(self.model, [adapter for adapter, _ in chunk]):
                 rows, logits = prefill_tails(
                     self.model, [tails[k].row for k in chunk], [k[1][tails[k].length :] for k in chunk]
@@ -523,12 +537,22 @@ class GenerationEngine:
         self._reserved = 0
 
 
-def _chunks(keys: Sequence[tuple], budget: int, size: Callable[[tuple], int]) -> list[list[tuple]]:
+def _chunks(
+    keys: Sequence[tuple],
+    budget: int,
+    size: Callable[[tuple], int],
+    same: Callable[[tuple], int] | None = None,
+) -> list[list[tuple]]:
     """Split keys (sorted so that similar sizes sit together) into prefill batches whose padded size (count x
-    the largest ``size``) stays within ``budget`` tokens."""
+    the largest ``size``) stays within ``budget`` tokens; with ``same``, a batch holds keys of one ``same`` value
+    only (the input lengths of a hybrid model's batch: sorted, so equal ones are adjacent)."""
     chunks: list[list[tuple]] = []
     for key in keys:
-        if chunks and (len(chunks[-1]) + 1) * max(size(key), *map(size, chunks[-1])) <= budget:
+        if (
+            chunks
+            and (same is None or same(key) == same(chunks[-1][0]))
+            and (len(chunks[-1]) + 1) * max(size(key), *map(size, chunks[-1])) <= budget
+        ):
             chunks[-1].append(key)
         else:
             chunks.append([key])

@@ -14,6 +14,24 @@ transformers' own mask construction is bypassed.
 depends on those tokens only (causal attention), so the entry of any cached sequence that starts a new prompt
 serves its first ``n`` positions exactly, and only the tail is run (``prefill_tails``). vLLM reuses blocks of
 any common prefix; here an entry is reused whole or not at all (``longest_prefix``).
+
+Hybrid models (Qwen3.5 / Qwen3-Next style: gated-DeltaNet "linear_attention" layers beside full-attention
+layers, ``linear_layers``) keep, per sequence and per linear layer, a state instead of KV: the causal conv's
+window ``[C, K]`` and the recurrent matrix ``[H, Dk, Dv]``, both after the sequence's last token. A ``RowKV``
+holds that pair in place of ``(keys, values)`` for those layers (``RowKV.linear``), ``BatchKV`` stacks the rows'
+states along the batch in transformers' own ``LinearAttentionLayer`` (filled through its update methods, read
+through its ``conv_states`` / ``recurrent_states``), and the model's forward advances them. What stays exact:
+
+- decode: one new token per row and no padding, and each row's conv and recurrence see only that row, so a
+  batch of rows advances exactly as each row alone would (the attention layers keep their left-padded KV);
+- prefill and ``prefill_tails``: only inputs of one length per batch (``prefill`` raises otherwise). Left padding
+  is exact for attention (masked) but not for the recurrent layers: with the engine's 4D masks transformers hands
+  those layers no padding mask (``create_recurrent_attention_mask``), so padding tokens run through the conv and
+  the recurrence; with a 2D mask they are zeroed (``apply_mask_to_padding_states``), which keeps a zero state at
+  zero, but a padded tail after a cached state would still decay that state once per padding token;
+- the prefix cache: an entry's state is the state after exactly its tokens, and an entry is reused whole, so a
+  prompt that extends it continues from that state as if it had run the entry itself. Reusing part of an entry
+  (vLLM's block reuse) would need the state at that token, which is not kept.
 """
 
 from __future__ import annotations
@@ -27,6 +45,11 @@ from typing import Any, NamedTuple
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+try:  # the linear-attention (gated DeltaNet) cache layer of transformers' hybrid models; older 5.x lack it
+    from transformers.cache_utils import LinearAttentionLayer
+except ImportError:  # pragma: no cover - depends on the installed transformers
+    LinearAttentionLayer = None
+
 HEADROOM = 64
 """Free columns allocated past the longest row, so decode steps rarely have to grow the buffers."""
 
@@ -35,6 +58,14 @@ HEADROOM = 64
 def _cache_kwarg(model_cls: type) -> str:
     params = inspect.signature(model_cls.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def linear_layers(model: torch.nn.Module) -> frozenset[int]:
+    """Indices of the model's linear-attention layers (empty for a full-attention model)."""
+    text = model.config.get_text_config(decoder=True)
+    return frozenset(
+        i for i, t in enumerate(getattr(text, "layer_types", None) or []) if t == "linear_attention"
+    )
 
 
 def forward(model: torch.nn.Module, cache: Cache, **inputs: torch.Tensor | int | bool) -> torch.Tensor:
@@ -87,13 +118,47 @@ class SlabLayer(DynamicLayer):
 
 @dataclass
 class RowKV:
-    """One sequence's KV, unpadded: per layer ``(keys, values)`` of shape ``[H, L, D]``."""
+    """One sequence's KV, unpadded: per layer ``(keys, values)`` of shape ``[H, L, D]``; for a linear-attention layer
+    (an index in ``linear``) its state after the last token instead, ``(conv state [C, K], recurrent state [H, Dk,
+    Dv])``."""
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
+    linear: frozenset[int] = frozenset()
 
     @property
     def length(self) -> int:
-        return self.layers[0][0].shape[1]
+        """Tokens the row holds (the KV length of its attention layers)."""
+        for i, (keys, _) in enumerate(self.layers):
+            if i not in self.linear:
+                return keys.shape[1]
+        raise ValueError("a row of linear-attention layers only has no token count")
+
+
+def _state_layer(conv: torch.Tensor, recurrent: torch.Tensor) -> Any:
+    """A transformers ``LinearAttentionLayer`` holding a batch's states (``[B, C, K]``, ``[B, H, Dk, Dv]``) as if it
+    had run them: a fresh layer takes a conv state as wide as its kernel as it is, and marks it as a previous
+    state, so the next forward continues from both."""
+    layer = LinearAttentionLayer()
+    layer.update_conv_state(conv)
+    layer.update_recurrent_state(recurrent)
+    return layer
+
+
+def _state(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(conv states, recurrent states) of a ``LinearAttentionLayer``, batch first."""
+    return layer.conv_states[0], layer.recurrent_states[0]
+
+
+def cache_row(cache: Cache, i: int, start: int, linear: frozenset[int]) -> RowKV:
+    """A copy of row ``i`` of ``cache`` (a prefill's): its KV from column ``start`` on, its linear layers' states."""
+    layers = []
+    for li, lay in enumerate(cache.layers):
+        if li in linear:
+            conv, recurrent = _state(lay)
+            layers.append((conv[i].clone(), recurrent[i].clone()))
+        else:
+            layers.append((lay.keys[i, :, start:].clone(), lay.values[i, :, start:].clone()))
+    return RowKV(layers, linear)
 
 
 class BatchKV:
@@ -103,13 +168,15 @@ class BatchKV:
         self.cache: Cache | None = None
         self.lengths: list[int] = []
         self.width = 0
+        self.linear: frozenset[int] = frozenset()
+        """The linear-attention layers (their entries in ``cache`` are ``LinearAttentionLayer`` s)."""
 
     @property
     def batch_size(self) -> int:
         return len(self.lengths)
 
-    def _layers(self) -> list[SlabLayer]:
-        return [] if self.cache is None else self.cache.layers  # type: ignore[return-value]
+    def _layers(self) -> list[Any]:
+        return [] if self.cache is None else self.cache.layers
 
     def rebuild(self, keep: Sequence[int], new_rows: Sequence[RowKV]) -> None:
         """Keep rows ``keep`` (in that order), then append ``new_rows``, in fresh right-aligned buffers."""
@@ -118,6 +185,7 @@ class BatchKV:
             self.cache, self.lengths, self.width = None, [], 0
             return
         old_layers = self._layers()
+        linear = new_rows[0].linear if new_rows else self.linear
         width = max(lengths)
         capacity = width + HEADROOM
         n_keep = len(keep)
@@ -125,6 +193,9 @@ class BatchKV:
         m = min(self.width, width)  # trailing columns of old rows that fit (they hold every kept token)
         layers = []
         for li in range(len(old_layers) if old_layers else len(new_rows[0].layers)):
+            if li in linear:
+                layers.append(self._stack_states(li, keep, new_rows))
+                continue
             ref = old_layers[li].keys if old_layers else new_rows[0].layers[li][0]
             heads, dim = ref.shape[-3], ref.shape[-1]
             kbuf = ref.new_zeros((len(lengths), heads, capacity, dim))
@@ -142,13 +213,23 @@ class BatchKV:
         self.cache = Cache(layers=layers)
         self.lengths = lengths
         self.width = width
+        self.linear = linear
+
+    def _stack_states(self, li: int, keep: Sequence[int], new_rows: Sequence[RowKV]) -> Any:
+        """Layer ``li``'s states of the kept rows then the new rows, in a fresh ``LinearAttentionLayer``."""
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if keep:
+            conv, recurrent = _state(self._layers()[li])
+            idx = torch.tensor(list(keep), dtype=torch.int64, device=conv.device)
+            parts.append((conv.index_select(0, idx), recurrent.index_select(0, idx)))
+        if new_rows:
+            pairs = [r.layers[li] for r in new_rows]
+            parts.append((torch.stack([c for c, _ in pairs]), torch.stack([r for _, r in pairs])))
+        return _state_layer(torch.cat([c for c, _ in parts]), torch.cat([r for _, r in parts]))
 
     def row(self, i: int) -> RowKV:
-        """A copy of row ``i``'s valid columns."""
-        start = self.width - self.lengths[i]
-        return RowKV(
-            [(lay.keys[i, :, start:].clone(), lay.values[i, :, start:].clone()) for lay in self._layers()]
-        )
+        """A copy of row ``i``'s valid columns (and of its linear layers' states)."""
+        return cache_row(self.cache, i, self.width - self.lengths[i], self.linear)  # type: ignore[arg-type]
 
     def decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(4D bool attention mask ``[B, 1, 1, width + 1]``, position ids ``[B, 1]``) for one new token per row."""
@@ -183,23 +264,26 @@ def prefill_inputs(prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torc
     return ids, mask[:, None], positions
 
 
+def _check_unpadded(linear: frozenset[int], lengths: Sequence[int], what: str) -> None:
+    if linear and len(set(lengths)) > 1:
+        raise ValueError(
+            f"{what} of a hybrid model takes inputs of one length per batch: padding would run through its "
+            f"linear-attention layers (lengths {sorted(set(lengths))})"
+        )
+
+
 def prefill(model: torch.nn.Module, prompts: Sequence[Sequence[int]]) -> tuple[list[RowKV], torch.Tensor]:
-    """Run the prompts (one left-padded batch); return each prompt's KV and its last-position logits ``[n, V]``."""
+    """Run the prompts (one left-padded batch; of one length for a hybrid model); return each prompt's KV and its
+    last-position logits ``[n, V]``."""
+    linear = linear_layers(model)
+    _check_unpadded(linear, [len(p) for p in prompts], "prefill")
     ids, mask, positions = prefill_inputs(prompts)
     cache = DynamicCache(config=model.config)
     logits = forward(
         model, cache, input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1
     )
     width = ids.shape[1]
-    rows = []
-    for i, p in enumerate(prompts):
-        start = width - len(p)
-        rows.append(
-            RowKV(
-                [(lay.keys[i, :, start:].clone(), lay.values[i, :, start:].clone()) for lay in cache.layers]
-            )
-        )
-    return rows, logits
+    return [cache_row(cache, i, width - len(p), linear) for i, p in enumerate(prompts)], logits
 
 
 def prefill_tails(
@@ -210,10 +294,13 @@ def prefill_tails(
 
     One batch: the pasts right-aligned in columns ``[0, P)``, the tails right-aligned in ``[P, P + M)`` (``P``,
     ``M``: the longest past and tail). A tail token attends its row's past and the tail tokens before it; padding
-    queries attend themselves only (as in ``prefill_inputs``). Only the tails' tokens go through the model.
+    queries attend themselves only (as in ``prefill_inputs``). Only the tails' tokens go through the model. A hybrid
+    model's linear layers continue from each past's state; its tails must have one length (no padding).
     """
     if not tails or len(pasts) != len(tails) or any(len(t) == 0 for t in tails):
         raise ValueError("prefill_tails needs one past per tail, and non-empty tails")
+    linear = linear_layers(model)
+    _check_unpadded(linear, [len(t) for t in tails], "prefill_tails")
     past_len = torch.tensor([r.length for r in pasts], dtype=torch.int64)
     tail_len = torch.tensor([len(t) for t in tails], dtype=torch.int64)
     pw, tw = int(past_len.max()), int(tail_len.max())
@@ -238,7 +325,14 @@ def prefill_tails(
     rows = []
     for i, (n, m) in enumerate(zip(past_len.tolist(), tail_len.tolist())):
         spans = ((pw - n, pw), (pw + tw - m, pw + tw))  # the row's past, then its tail
-        rows.append(RowKV([(_take(lay.keys, i, spans), _take(lay.values, i, spans)) for lay in kv._layers()]))
+        layers = []
+        for li, lay in enumerate(kv._layers()):
+            if li in linear:
+                conv, recurrent = _state(lay)
+                layers.append((conv[i].clone(), recurrent[i].clone()))
+            else:
+                layers.append((_take(lay.keys, i, spans), _take(lay.values, i, spans)))
+        rows.append(RowKV(layers, linear))
     return rows, logits
 
 

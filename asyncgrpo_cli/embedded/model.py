@@ -29,13 +29,43 @@ def load_model(
     ).to(device)
     model.eval()
     model.requires_grad_(False)
-    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(
-            f"the embedded server serves full-attention decoder models only; {model_dir} has layer types "
-            f"{sorted(set(layer_types))}. Use an external vLLM server (server.backend=vllm)."
-        )
+    check_layer_types(model, model_dir)
     return model
+
+
+SERVED_LAYER_TYPES = ("full_attention", "linear_attention")
+
+
+def check_layer_types(model: torch.nn.Module, model_dir: str | Path) -> None:
+    """Serve full-attention layers and gated-DeltaNet linear-attention layers (hybrids such as Qwen3.5, with at
+    least one attention layer); refuse other layer types (sliding windows, Mamba, ...), and hybrids on a
+    transformers whose ``DynamicCache`` does not keep their state in ``LinearAttentionLayer`` s (``kvcache.py``
+    batches those states)."""
+    from transformers.cache_utils import DynamicCache
+
+    from asyncgrpo_cli.embedded.kvcache import LinearAttentionLayer, linear_layers
+
+    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
+    other = sorted(set(layer_types) - set(SERVED_LAYER_TYPES))
+    if other or (layer_types and "full_attention" not in layer_types):
+        raise ValueError(
+            f"the embedded server serves decoder models of full-attention layers, or hybrids of full-attention and "
+            f"linear-attention (gated DeltaNet) layers; {model_dir} has layer types {sorted(set(layer_types))}. "
+            "Use a vLLM server (server=vllm or server=vllm_launch)."
+        )
+    linear = linear_layers(model)
+    if not linear:
+        return
+    layers = DynamicCache(config=model.config).layers if LinearAttentionLayer is not None else []
+    if not all(i < len(layers) and isinstance(layers[i], LinearAttentionLayer) for i in linear):
+        import transformers
+
+        raise ValueError(
+            f"serving the hybrid model {model_dir} needs a transformers whose DynamicCache keeps linear-attention "
+            f"states in cache_utils.LinearAttentionLayer (5.17 and 5.24 do); this is transformers "
+            f"{transformers.__version__}. Upgrade transformers, or use a vLLM server "
+            "(server=vllm or server=vllm_launch)."
+        )
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer: Any, model_dir: str | Path) -> set[int]:

@@ -21,7 +21,9 @@ What vLLM 0.33 does (``vllm/v1/worker/gpu_model_runner.py::_get_prompt_logprobs_
   after up to 4 preceding prompt tokens, as ``LogprobsProcessor._correct_decoded_token`` does, else ``""``.
 
 The prefill is run one prompt at a time in chunks of positions through the model's own forward (so a model's
-logit scaling or soft-capping applies), which bounds memory at ``[chunk, vocab]`` float32 logits per step.
+logit scaling or soft-capping applies), which bounds memory at ``[chunk, vocab]`` float32 logits per step. A
+hybrid model's linear-attention layers carry their state from one chunk to the next in transformers' cache, as
+its own chunked prefill does (no padding: one prompt).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from asyncgrpo_cli.embedded.api import ApiError, ModelContext
-from asyncgrpo_cli.embedded.kvcache import RowKV, _cache_kwarg
+from asyncgrpo_cli.embedded.kvcache import RowKV, _cache_kwarg, cache_row, linear_layers
 
 CHUNK_ELEMENTS = 1 << 24
 """Logit elements per scoring chunk (64 MiB of float32): the chunk is ``max(1, CHUNK_ELEMENTS // vocab)``
@@ -94,7 +96,7 @@ def scored_prefill(
             targets = ids[start + 1 : stop + 1].to(logits.device)
             parts.append(tuple(t.cpu() for t in score_rows(logits[: stop - start], targets, num)))
         del out, logits
-    row = RowKV([(lay.keys[0].clone(), lay.values[0].clone()) for lay in cache.layers])
+    row = cache_row(cache, 0, 0, linear_layers(model))
     if parts:
         tok, ranks, top_ids, top_lp = (torch.cat(x) for x in zip(*parts))
     else:

@@ -160,7 +160,16 @@ def build_tiny_qwen3_5(dest: Path, *, seed: int = 0, hidden_size: int = 128) -> 
         **_special_ids(tokenizer),
     )
     torch.manual_seed(seed)
-    return _save(Qwen3_5ForCausalLM(config), tokenizer, dest)
+    model = Qwen3_5ForCausalLM(config)
+    with (
+        torch.no_grad()
+    ):  # slow decays (A in [0.005, 0.05]): the state carries tens of tokens, so a state that
+        for layer in (
+            model.model.layers
+        ):  # leaks across samples or branches shows in tests (the init forgets in a few)
+            if (deltanet := getattr(layer, "linear_attn", None)) is not None:
+                deltanet.A_log.copy_(torch.empty(deltanet.A_log.shape).uniform_(0.005, 0.05).log())
+    return _save(model, tokenizer, dest)
 
 
 def build_tiny_qwen3_moe(dest: Path, *, seed: int = 0, hidden_size: int = 128) -> Path:

@@ -60,7 +60,7 @@ def test_hybrid_counts_full_attention_layers_and_the_delta_rule_by_hand():
     cfg = model.config
     h, inter, v = 128, 256, 1024
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size) == (h, inter, v)
-    hk, hv, d, conv = 2, 4, 32, 4  # linear key / value heads, their dims, conv taps
+    hk, hv, d, conv = 2, 4, 64, 4  # linear key / value heads, their dims, conv taps
     mlp_norms = 3 * h * inter + 2 * h
     qkv = (2 * hk * d + hv * d) * h
     linear = qkv + hv * d * h + 2 * hv * h + (2 * hk * d + hv * d) * conv + 2 * hv + d + hv * d * h

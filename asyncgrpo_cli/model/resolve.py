@@ -13,7 +13,7 @@ from asyncgrpo_cli.paths import cache_dir
 from asyncgrpo_cli.registry import builtin_name, is_builtin
 
 # Bump when a builder's output changes, so stale caches are rebuilt.
-_BUILD_VERSION = "2"
+_BUILD_VERSION = "3"
 
 
 def builtin_dir(name: str) -> Path:

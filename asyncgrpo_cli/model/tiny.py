@@ -134,7 +134,7 @@ def build_tiny_qwen3_5(dest: Path, *, seed: int = 0, hidden_size: int = 128) -> 
     """Write a tiny Qwen3.5 hybrid (3 gated-DeltaNet layers then 1 attention layer) + tokenizer to ``dest``.
 
     The DeltaNet layers have 2 key heads and 4 value heads (grouped value heads, as the larger Qwen3.5 models' 16 / 32) of dim
-    32 and the short convolution of the released models (kernel 4); attention has 4 query / 2 KV heads of dim 32
+    64 and the short convolution of the released models (kernel 4); attention has 4 query / 2 KV heads of dim 32
     with the output gate and partial rotary embedding of the family.
     """
     import torch
@@ -152,8 +152,8 @@ def build_tiny_qwen3_5(dest: Path, *, seed: int = 0, hidden_size: int = 128) -> 
         head_dim=32,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
+        linear_key_head_dim=64,  # vLLM's CPU gated-DeltaNet kernels take 64 or 128, equal for keys and values
+        linear_value_head_dim=64,
         linear_conv_kernel_dim=4,
         max_position_embeddings=4096,
         tie_word_embeddings=True,

@@ -36,9 +36,14 @@ def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.Com
     )
 
 
-@pytest.mark.parametrize("loss", ["score_centering", "clipped"])
+@pytest.mark.parametrize("loss", ["score_centering", "clipped", "hybrid"])
 def test_two_ranks_match_one_process(tiny_model_dir, tmp_path, loss):
-    """Two optimizer steps: FSDP2 on 2 ranks (one row each) == one process (the rows as 2 micro-batches)."""
+    """Two optimizer steps: FSDP2 on 2 ranks (one row each) == one process (the rows as 2 micro-batches).
+    ``hybrid``: the tiny Qwen3.5 gated-DeltaNet hybrid (its packed forward under FSDP2), default loss."""
+    if loss == "hybrid":
+        from asyncgrpo_cli.model.resolve import resolve_model_path
+
+        tiny_model_dir, loss = resolve_model_path("builtin:tiny-qwen3.5"), "score_centering"
     script = str(HELPERS / "dist_equivalence.py")
     one = subprocess.run(
         [

@@ -404,3 +404,24 @@ def test_two_fsdp2_ranks_train_the_moe_like_one_process(moe_dir, tmp_path):
     assert set(a["params"]) == set(b["params"])
     for name in a["params"]:
         torch.testing.assert_close(a["params"][name], b["params"][name], atol=5e-5, rtol=1e-4, msg=name)
+
+
+def test_qwen3_next_hybrid_moe_rows_equal_transformers_unpacked(tmp_path):
+    """Qwen3-Next: gated-DeltaNet layers (their packed forward) and MoE blocks with a shared expert in one model;
+    the tree-packed row's aux loss equals transformers' on the right-padded batch."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncgrpo_cli.model.gdn.layer import install
+    from tests.test_gdn_packing import tiny_qwen3_next
+
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_qwen3_next(tmp_path), dtype=torch.float32, attn_implementation="sdpa"
+    )
+    model.config.use_cache = False
+    install(model, "torch")
+    samples = shared_prompt_samples(np.random.default_rng(3), vocab=model.config.vocab_size)
+    row = TreePacker(PackingConfig(kind="tree")).pack(samples)
+    router = router_of(model)
+    assert (router.num_experts, router.top_k) == (4, 2)
+    stats = token_logprobs(model, row, 1.0, with_topk=False, router=router)
+    torch.testing.assert_close(stats.aux_loss, transformers_aux(model, samples), atol=1e-6, rtol=1e-6)

@@ -37,7 +37,8 @@ def _is_cpu_platform() -> bool:
 
 
 def _redispatch_lm_head(model: Any) -> bool:
-    """Rebuild the CPU GEMM of ``model.lm_head`` from its current weight; False when there is nothing to redo.
+    """Rebuild the CPU GEMM of ``model.lm_head`` (or ``model.language_model.lm_head``) from its current weight;
+    False when there is nothing to redo.
 
     Only layers that went through the CPU dispatch (they carry ``cpu_linear``) and still hold their weight (the
     embedding-style ``lm_head`` keeps it: ``remove_weight=False``) are re-dispatched.
@@ -45,6 +46,8 @@ def _redispatch_lm_head(model: Any) -> bool:
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     head = getattr(model, "lm_head", None)
+    if head is None:  # a vision-language model (Qwen3.5's released checkpoints): the text model holds the head
+        head = getattr(getattr(model, "language_model", None), "lm_head", None)
     weight = getattr(head, "weight", None)
     if head is None or weight is None or not hasattr(head, "cpu_linear"):
         return False

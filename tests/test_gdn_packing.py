@@ -403,3 +403,29 @@ def test_hybrid_with_flex_attention_block_mask(hybrid_dir):
     with torch.no_grad():
         got = token_logprobs(model, row, 1.0, False).logprobs
     assert (got - want.detach()).abs().max() < 1e-4
+
+
+def test_a_vision_language_checkpoint_syncs_under_its_own_names(hybrid_dir, tmp_path):
+    """Released Qwen3.5 checkpoints are ``Qwen3_5ForConditionalGeneration``: the trainer loads the text decoder
+    (``model.layers.*``) and weight sync renames to the checkpoint's ``model.language_model.*`` (what a server
+    serving that checkpoint loads); a text-only checkpoint keeps its names. The vLLM run: tests/vllm."""
+    from transformers import AutoConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from asyncgrpo_cli.model.loading import checkpoint_name, load_policy
+
+    text = AutoConfig.from_pretrained(hybrid_dir).to_dict()
+    for key in ("architectures", "model_type", "transformers_version", "dtype", "torch_dtype"):
+        text.pop(key, None)
+    vision = dict(
+        depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=text["hidden_size"]
+    )
+    Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).save_pretrained(
+        tmp_path
+    )
+    model = load_policy(str(tmp_path), ModelConfig(name_or_path=str(tmp_path)), torch.device("cpu"))
+    assert type(model).__name__ == "Qwen3_5ForCausalLM"
+    name = "model.layers.0.linear_attn.A_log"
+    assert checkpoint_name(model, name) == "model.language_model.layers.0.linear_attn.A_log"
+    assert checkpoint_name(model, "lm_head.weight") == "lm_head.weight"
+    plain = load_policy(hybrid_dir, ModelConfig(name_or_path=hybrid_dir), torch.device("cpu"))
+    assert checkpoint_name(plain, name) == name

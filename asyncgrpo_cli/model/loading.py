@@ -90,6 +90,7 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
     model.config.use_cache = False
     if linear:
         _install_packed_linear_attention(model, path, kernel)
+    model._asyncgrpo_checkpoint_prefix = checkpoint_prefix(config, model)
     if cfg.lora.enabled:  # only the adapter trains (model/lora.py)
         from asyncgrpo_cli.model.lora import apply_lora
 
@@ -124,3 +125,34 @@ def _install_packed_linear_attention(model: Any, path: str, kernel: str) -> None
         list(info.layers),
         info.kernel,
     )
+
+
+def checkpoint_prefix(config: Any, model: Any) -> tuple[str, str] | None:
+    """``(trainer prefix, checkpoint prefix)`` where the checkpoint names the text decoder's weights differently
+    from the model the trainer loaded, else None.
+
+    The released Qwen3.5 / Qwen3.5-MoE checkpoints are vision-language models (``...ForConditionalGeneration``,
+    a ``text_config``, the decoder under ``model.language_model.``); the trainer loads their text decoder
+    (``...ForCausalLM``: ``model.layers...``) and a server serving the checkpoint expects its own names in weight
+    updates (vLLM: "There is no module or parameter named 'model'"). Weight sync renames with this
+    (:func:`checkpoint_name`); checkpoints the trainer saves keep the trainer's (text-only) names.
+    """
+    archs = getattr(config, "architectures", None) or []
+    if getattr(config, "text_config", None) is None or not any(
+        "ForConditionalGeneration" in a for a in archs
+    ):
+        return None
+    names = [n for n, _ in model.named_parameters()]
+    if any(n.startswith("model.language_model.") for n in names) or not any(
+        n.startswith("model.") for n in names
+    ):
+        return None
+    return ("model.", "model.language_model.")
+
+
+def checkpoint_name(model: Any, name: str) -> str:
+    """The served checkpoint's name for the trainer's weight ``name`` (see :func:`checkpoint_prefix`)."""
+    prefix = getattr(model, "_asyncgrpo_checkpoint_prefix", None)
+    if prefix is None or not name.startswith(prefix[0]):
+        return name
+    return prefix[1] + name[len(prefix[0]) :]

@@ -30,6 +30,7 @@ import torch
 
 from asyncgrpo_cli.config.schema import NcclSyncConfig, RootConfig
 from asyncgrpo_cli.errors import UserError
+from asyncgrpo_cli.model.loading import checkpoint_name
 from asyncgrpo_cli.nccl.binding import Communicator, NcclTransport, encode_unique_id
 from asyncgrpo_cli.nccl.wire import TensorMeta, WireParams, reset_streams, send_tensors, update_info
 from asyncgrpo_cli.rollout.resync import server_unreachable
@@ -335,7 +336,7 @@ class NcclWeightSync(BaseWeightSync):
             if name in skip:
                 continue
             dtype = self._served if self._served is not None and tensor.is_floating_point() else tensor.dtype
-            out.append(TensorMeta(name, dtype, tuple(tensor.shape)))
+            out.append(TensorMeta(checkpoint_name(model, name), dtype, tuple(tensor.shape)))
         return out
 
     # -- teardown --------------------------------------------------------------------------------------------------

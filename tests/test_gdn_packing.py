@@ -300,7 +300,10 @@ def test_loader_installs_the_packed_forward(hybrid_dir):
     from asyncgrpo_cli.model.logprobs import _decoder
 
     model = load_policy(hybrid_dir, ModelConfig(name_or_path=hybrid_dir), torch.device("cpu"))
+    modules = [m for _, m in linear_attention_modules(model)]
     assert [i for i, _ in linear_attention_modules(model)] == [0, 1, 2]
+    # one class (one forward) for every layer: a compiled decoder layer does not guard on a per-layer function
+    assert len({type(m) for m in modules}) == 1 and type(modules[0]).__name__ == "PackedQwen3_5GatedDeltaNet"
     samples = branching_samples(seed=6)
     row = PACKERS["tree"]().pack(samples)
     lp = token_logprobs(model, row, 1.0, False).logprobs

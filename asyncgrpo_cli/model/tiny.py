@@ -70,7 +70,7 @@ def build_tiny_tokenizer(vocab_size: int = 1024):
 def build_tiny_qwen3(dest: Path, *, seed: int = 0, hidden_size: int = 128, num_layers: int = 2) -> Path:
     """Write a tiny Qwen3 model + tokenizer to ``dest`` (a normal save_pretrained directory)."""
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = build_tiny_tokenizer()
     vocab = len(tokenizer)
@@ -90,14 +90,7 @@ def build_tiny_qwen3(dest: Path, *, seed: int = 0, hidden_size: int = 128, num_l
         rope_theta=10000.0,
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, do_sample=True
-    )
-    dest.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(dest)
-    tokenizer.save_pretrained(dest)
-    return dest
+    return _save(Qwen3ForCausalLM(config), tokenizer, dest)
 
 
 def build_tiny_qwen3_teacher(dest: Path) -> Path:

@@ -1,5 +1,6 @@
 """``asyncgrpo bench lm-head``: peak memory and time of forward+backward through the LM head, the naive dense head
-(full [N, V] fp32 logits kept by autograd) against the chunked head (``model/chunked_head.py``), side by side.
+(full [N, V] fp32 logits kept by autograd) against the chunked head (``model/chunked_head.py``) and, on CUDA with
+Triton, the fused head (``model/fused_head.py``: ``model.lm_head_kernel=triton``), side by side.
 
 Workload per shape (N positions, hidden size H, vocabulary V) and dtype: random h [N, H] and W [V, H] (both
 require grad, as a tied or trained head does), random targets and K sampler top-k ids, objective
@@ -104,8 +105,8 @@ def _measure(run: Callable[[], object], device, repeats: int) -> Measurement:
 
 def bench_shape(
     n: int, h: int, v: int, dtype_name: str, device, args: argparse.Namespace
-) -> tuple[Measurement, Measurement]:
-    """Naive and chunked head on one shape / dtype."""
+) -> tuple[Measurement, Measurement, Measurement | None]:
+    """Naive, chunked and (where it runs) fused head on one shape / dtype."""
     import torch
 
     from asyncgrpo_cli.model.chunked_head import LogitTransform, chunked_token_stats, dense_token_stats
@@ -139,7 +140,19 @@ def bench_shape(
         device,
         args.repeats,
     )
-    return naive, chunked
+    fused = None
+    if fused_reason(hidden) is None:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        fused = _measure(runner(chunked_token_stats, kernel="triton"), device, args.repeats)
+    return naive, chunked, fused
+
+
+def fused_reason(hidden) -> str | None:
+    """Why the fused head is not measured on ``hidden``'s device (None: it is)."""
+    from asyncgrpo_cli.model import fused_head
+
+    return fused_head.unsupported(hidden)
 
 
 def _fmt_mib(x: int | None) -> str:
@@ -150,18 +163,32 @@ def _fmt_ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:,.0f}"
 
 
-def table_row(shape: tuple[int, int, int], dtype: str, naive: Measurement, chunked: Measurement) -> list[str]:
-    """One markdown table row: shape, dtype, memory (naive, chunked, ratio), time (naive, chunked, ratio), Δ."""
+def _delta(a: Measurement, b: Measurement | None) -> str:
     import torch
 
+    if b is None or not isinstance(a.logprobs, torch.Tensor) or not isinstance(b.logprobs, torch.Tensor):
+        return "-"
+    return f"{(a.logprobs - b.logprobs).abs().max().item():.1e}"
+
+
+def table_row(
+    shape: tuple[int, int, int],
+    dtype: str,
+    naive: Measurement,
+    chunked: Measurement,
+    fused: Measurement | None = None,
+) -> list[str]:
+    """One markdown table row: shape, dtype, memory (naive, chunked, ratio), time (naive, chunked, ratio), Δ;
+    then the fused head's peak, time, time against the chunked head and Δ ("-" where it did not run)."""
     n, h, v = shape
-    mem_ratio = time_ratio = delta = "-"
+    mem_ratio = time_ratio = fused_ratio = "-"
     if naive.peak_bytes and chunked.peak_bytes:
         mem_ratio = f"{naive.peak_bytes / chunked.peak_bytes:.1f}x"
     if naive.seconds and chunked.seconds:
         time_ratio = f"{chunked.seconds / naive.seconds:.2f}"
-    if isinstance(naive.logprobs, torch.Tensor) and isinstance(chunked.logprobs, torch.Tensor):
-        delta = f"{(naive.logprobs - chunked.logprobs).abs().max().item():.1e}"
+    if fused is not None and fused.seconds and chunked.seconds:
+        fused_ratio = f"{fused.seconds / chunked.seconds:.2f}"
+    fused_peak = "-" if fused is None else (fused.error or _fmt_mib(fused.peak_bytes))
     return [
         f"{n} x {h} x {v}",
         dtype,
@@ -172,7 +199,11 @@ def table_row(shape: tuple[int, int, int], dtype: str, naive: Measurement, chunk
         _fmt_ms(naive.seconds),
         _fmt_ms(chunked.seconds),
         time_ratio,
-        delta,
+        _delta(naive, chunked),
+        fused_peak,
+        "-" if fused is None else _fmt_ms(fused.seconds),
+        fused_ratio,
+        _delta(naive, fused),
     ]
 
 
@@ -187,6 +218,10 @@ HEADER = [
     "chunked ms",
     "time chunked/naive",
     "max abs Δ logprob",
+    "fused peak MiB",
+    "fused ms",
+    "time fused/chunked",
+    "fused max abs Δ logprob",
 ]
 
 
@@ -229,9 +264,14 @@ def main(argv: list[str]) -> None:
         f"x {args.vocab_chunk} vocab; top-k {args.topk}; T=0.7; peak = bytes above the inputs ({method}); "
         f"time = median of {args.repeats}"
     )
+    why_not = fused_reason(torch.empty(0, device=device))
+    print(
+        "fused head (model.lm_head_kernel=triton): "
+        + ("measured" if why_not is None else f"not run: {why_not}")
+    )
     print("| " + " | ".join(HEADER) + " |")
     print("|" + "---|" * len(HEADER))
     for shape in shapes:
         for dtype in args.dtypes:
-            naive, chunked = bench_shape(*shape, dtype, device, args)
-            print("| " + " | ".join(table_row(shape, dtype, naive, chunked)) + " |", flush=True)
+            naive, chunked, fused = bench_shape(*shape, dtype, device, args)
+            print("| " + " | ".join(table_row(shape, dtype, naive, chunked, fused)) + " |", flush=True)

@@ -7,15 +7,16 @@ Usage (one process per GPU; rank 0 prints the table)::
 
 Keys (:class:`TrainerBenchConfig`): ``shapes=0.6b,1.7b`` (Qwen3 shapes; ``qwen3.5-2b``: Qwen3.5-2B's gated-DeltaNet
 hybrid text decoder; ``tiny``, ``tiny-qwen3.5``: CPU smoke tests; random weights, built without the hub),
-``linear_attention_kernel`` (model.linear_attention_kernel of hybrids: auto, torch, fla),
+``linear_attention_kernel`` (model.linear_attention_kernel of hybrids: auto, torch, fla), ``lm_head_kernel``
+(model.lm_head_kernel: auto, torch, triton; the head that ran is printed),
 ``token_budget`` (forwarded tokens per row, one row per rank per micro-batch), ``grad_accum``, ``precision``,
 ``gradient_checkpointing``, ``compile``, ``reshard_after_forward``, ``packing``, ``attn``, ``steps``, ``warmup``,
 ``out=PATH`` (JSON), ``baseline=PATH`` (a 1-GPU JSON: adds scaling efficiency = tokens/s per GPU over the
 baseline's).
 
 Each step is the trainer's own path: rank 0 builds the rows and scatters them (``scatter_step``), every rank packs
-its row (``packing.kind``), runs ``forward_backward`` (decoder with the configured attention, chunked LM head,
-loss), reduces the loss metrics, then ``clip_and_step`` (fused AdamW on CUDA). The model comes from
+its row (``packing.kind``), runs ``forward_backward`` (decoder with the configured attention, the LM head of
+``lm_head_kernel``, loss), reduces the loss metrics, then ``clip_and_step`` (fused AdamW on CUDA). The model comes from
 ``load_policy`` (a weightless checkpoint: every weight is initialized at random, seeded alike on every rank; for
 hybrids the packed gated-DeltaNet forward with the resolved kernel, printed in the table's last column) and
 FSDP2's ``shard_model``. Rows are filled to exactly ``token_budget`` forwarded tokens with GRPO-like groups
@@ -94,6 +95,8 @@ class TrainerBenchConfig:
     """model.attn_implementation; None: the project's default (auto: flex attention on CUDA)."""
     linear_attention_kernel: str = "auto"
     """model.linear_attention_kernel of hybrid shapes: auto (fla on CUDA when installed, else torch), torch, fla."""
+    lm_head_kernel: str = "auto"
+    """model.lm_head_kernel: auto (the fused Triton head on CUDA when Triton imports), torch (chunked), triton."""
     loss: str = "score_centering"
     prompt_len: int = 512
     completion_len: int = 4096
@@ -128,6 +131,8 @@ def parse_args(argv: list[str]) -> TrainerBenchConfig:
 
 
 def _range_errors(cfg: TrainerBenchConfig) -> list[str]:
+    from asyncgrpo_cli.model.chunked_head import HEAD_KERNELS
+
     checks = [
         (
             all(s in SHAPES for s in cfg.shapes.split(",")),
@@ -141,6 +146,10 @@ def _range_errors(cfg: TrainerBenchConfig) -> list[str]:
         (
             cfg.linear_attention_kernel in ("auto", "torch", "fla"),
             f"bench.linear_attention_kernel ({cfg.linear_attention_kernel}) must be auto, torch or fla",
+        ),
+        (
+            cfg.lm_head_kernel in HEAD_KERNELS,
+            f"bench.lm_head_kernel ({cfg.lm_head_kernel}) must be one of {', '.join(HEAD_KERNELS)}",
         ),
         (cfg.steps >= 1 and cfg.warmup >= 0 and cfg.grad_accum >= 1, "bench.steps / grad_accum must be >= 1"),
         (
@@ -336,7 +345,15 @@ def timed_steps(t: _Trainer, cfg: TrainerBenchConfig, info: Any, device: Any) ->
         mine = scatter_step(per_rank, info)
         t0 = _sync_time(device)
         res = forward_backward(
-            t.model, mine.rows, mine.num_trained, t.packer, t.loss_fn, device, 1.0, info.world_size
+            t.model,
+            mine.rows,
+            mine.num_trained,
+            t.packer,
+            t.loss_fn,
+            device,
+            1.0,
+            info.world_size,
+            head_kernel=cfg.lm_head_kernel,
         )
         reduce_raw_metrics(merge_metric_parts(res.raw_parts), info)
         t1 = _sync_time(device)
@@ -354,6 +371,8 @@ def timed_steps(t: _Trainer, cfg: TrainerBenchConfig, info: Any, device: Any) ->
 
 def bench_shape(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, root: Path) -> dict[str, Any]:
     import torch
+
+    from asyncgrpo_cli.model import fused_head
 
     t = build_trainer(shape, cfg, info, device, root)
     config, attn = t.model.config, t.model.config._attn_implementation
@@ -380,6 +399,7 @@ def bench_shape(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, roo
         "body_params": body_params,
         "total_body_params": total_params,
         "linear_attention_kernel": kernel,
+        "lm_head_kernel": fused_head.head_that_runs(cfg.lm_head_kernel, device),
         "world_size": info.world_size,
         "attn_implementation": attn,
         "tokens_per_step": tokens,
@@ -436,6 +456,7 @@ SAME_WORK = (
     "packing",
     "attn",
     "linear_attention_kernel",
+    "lm_head_kernel",
     "loss",
     "prompt_len",
     "completion_len",
@@ -443,7 +464,7 @@ SAME_WORK = (
     "num_topk",
 )
 """Keys a baseline must share for its tokens/s to be comparable."""
-LATER_KEYS = {"linear_attention_kernel": "auto"}
+LATER_KEYS = {"linear_attention_kernel": "auto", "lm_head_kernel": "torch"}
 """Keys added after baselines were written, with the value those runs had."""
 
 
@@ -485,6 +506,7 @@ def table_row(r: dict[str, Any]) -> str:
         f"{r['optimizer_s']:>6.3f} {r['tokens_per_s']:>9.0f} {r['tokens_per_s_per_gpu']:>9.0f} "
         f"{r['model_tflops_per_gpu']:>11.4g} {mfu:>6} {r['peak_allocated_gib']:>8.1f} "
         f"{f'{100 * eff:.0f}%' if eff is not None else '-':>6}  {r['attn_implementation']}"
+        + (f", LM head: {r['lm_head_kernel']}" if r.get("lm_head_kernel") else "")
         + (f", gated DeltaNet: {r['linear_attention_kernel']}" if r.get("linear_attention_kernel") else "")
     )
 

@@ -207,6 +207,14 @@ def flex_attention_needs_cuda(cfg: RootConfig) -> Iterator[str]:
         )
 
 
+def triton_head_needs_cuda(cfg: RootConfig) -> Iterator[str]:
+    if cfg.model.lm_head_kernel == "triton" and cfg.trainer.device == "cpu":
+        yield (
+            "model.lm_head_kernel=triton needs trainer.device=cuda (the fused head's kernels run on GPUs): use "
+            "model.lm_head_kernel=auto or torch on CPU."
+        )
+
+
 def nccl_sync_needs_gpus(cfg: RootConfig) -> Iterator[str]:
     sv = cfg.server
     if sv.weight_sync != "nccl":
@@ -342,6 +350,7 @@ def embedded_teachers_serve_top_k(cfg: RootConfig) -> Iterator[str]:
 CROSS_GROUP_RULES: tuple[Callable[[RootConfig], Iterable[str]], ...] = (
     mixed_precision_keeps_fp32_master,
     flex_attention_needs_cuda,
+    triton_head_needs_cuda,
     nccl_sync_needs_gpus,
     completion_fits_embedded_server,
     token_budget_fits_completion,

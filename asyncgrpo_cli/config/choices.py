@@ -29,6 +29,7 @@ AttnImplementation = Annotated[
     "flash kernels would ignore a packed row's attention mask",
 ]
 LinearAttentionKernel = Annotated[str, Literal["auto", "torch", "fla"]]
+LmHeadKernel = Annotated[str, Literal["auto", "torch", "triton"]]
 LoraBias = Annotated[str, Literal["none", "all", "lora_only"]]
 SamplingMask = Annotated[str, Literal["auto", "required", "off"]]
 LrSchedulerType = Annotated[str, Literal["constant", "constant_with_warmup", "linear", "cosine"]]

@@ -18,6 +18,7 @@ from asyncgrpo_cli.config.choices import (
     ConsoleMode,
     Dtype,
     LinearAttentionKernel,
+    LmHeadKernel,
     LoraBias,
     LrSchedulerType,
     MixedPrecision,
@@ -95,6 +96,12 @@ class ModelConfig:
         "Gated-DeltaNet layers of hybrid models (Qwen3.5, Qwen3-Next): auto (fla's Triton kernels on CUDA when "
         "fla-core is installed, else the pure-torch chunked path), torch, or fla. Both are exact under sequence "
         "and tree packing.",
+    )
+    lm_head_kernel: LmHeadKernel = F(
+        "auto",
+        "LM head of the trainer's log-probs: auto (the fused Triton kernels on CUDA when Triton is installed, else "
+        "the chunked torch head), torch (chunked head), or triton (fused; CUDA only). Neither forms [tokens, vocab] "
+        "logits; rows with sampling candidate sets use the chunked head.",
     )
     served_model_name: str | None = F(
         None, "Model name on the generation server; default: what the server lists first in /v1/models."

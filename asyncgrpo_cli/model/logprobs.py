@@ -11,7 +11,8 @@ with ``cand = row.candidate_ids``, the ids of the row's top-k token extras (the 
 
 The head is ``model.get_output_embeddings()`` (tied models share the embedding weight through it); the model's
 ``logit_scale`` (Cohere) and ``final_logit_softcapping`` (Gemma) are applied before the temperature, as its own
-forward does. The projection is :func:`asyncgrpo_cli.model.chunked_head.chunked_token_stats`: tiles of
+forward does. The projection is :func:`asyncgrpo_cli.model.chunked_head.chunked_token_stats`: on CUDA the fused
+Triton kernels of ``model/fused_head.py`` (``model.lm_head_kernel``), else tiles of
 positions x vocabulary entries (sized per device: ``chunked_head.tile_shape``) with an online logsumexp in fp32,
 recomputed in backward, so no [positions, vocab] logits are ever formed or kept. ``support_ids`` (optional, [N, C], -1 padding) renormalizes
 over each position's sampling candidate set (top-k / top-p masks returned by the server).
@@ -130,13 +131,15 @@ def token_logprobs(
     *,
     support_ids: torch.Tensor | None = None,
     router: RouterAux | None = None,
+    head_kernel: str = "auto",
 ) -> TokenStats:
     """Run the decoder on ``row`` and compute :class:`TokenStats` at its ``pred_index`` positions.
 
     ``support_ids`` [N, C] (-1 padding; one row per trained token, aligned with ``row.target_ids``): each token's
     sampling candidate set; log-probs, entropies and top-k log-probs are then renormalized over it (a row of only
     -1 keeps the full vocabulary). None (the default) normalizes over the full vocabulary. ``router``: also compute
-    the row's router aux loss (``TokenStats.aux_loss``).
+    the row's router aux loss (``TokenStats.aux_loss``). ``head_kernel``: ``model.lm_head_kernel`` (auto, torch,
+    triton; see :func:`~asyncgrpo_cli.model.chunked_head.chunked_token_stats`).
     """
     if temperature <= 0:
         raise ValueError(f"sampling.temperature must be positive for training log-probs, got {temperature}")
@@ -159,6 +162,7 @@ def token_logprobs(
         transform=_transform(model, temperature),
         candidate_ids=row.candidate_ids if with_topk else None,
         support_ids=support_ids,
+        kernel=head_kernel,
     )
     aux_loss = row_aux_loss(router, out, row)
     return TokenStats(stats.logprobs, stats.entropy, stats.candidate_logprobs, aux_loss)

@@ -59,9 +59,10 @@ def forward_backward(
     temperature: float,
     world_size: int = 1,
     router: RouterAux | None = None,
+    head_kernel: str = "auto",
 ) -> StepResult:
     """Run every micro-batch row of this rank; gradients accumulate in the parameters. ``router``: add the MoE
-    router aux loss (module docstring)."""
+    router aux loss (module docstring); ``head_kernel``: ``model.lm_head_kernel``."""
     with_topk = bool(loss_fn.needs)
     out = StepResult()
     model.train()
@@ -74,7 +75,7 @@ def forward_backward(
         out.attn_pairs += attended_pairs(packed.leave)
         row = packed.to(device)
         t0 = time.monotonic()
-        stats = _through_root(model, row, temperature, with_topk, router)
+        stats = _through_root(model, row, temperature, with_topk, router, head_kernel)
         loss, raw = loss_fn(stats, row, num_trained)
         if world_size > 1:
             loss = loss * world_size
@@ -96,7 +97,12 @@ def forward_backward(
 
 
 def _through_root(
-    model: Any, row: Any, temperature: float, with_topk: bool, router: RouterAux | None = None
+    model: Any,
+    row: Any,
+    temperature: float,
+    with_topk: bool,
+    router: RouterAux | None = None,
+    head_kernel: str = "auto",
 ) -> TokenStats:
     """Compute the head's statistics *inside* the root module's call.
 
@@ -116,7 +122,15 @@ def _through_root(
 
     def redirected(*_args: Any, **_kwargs: Any) -> tuple:
         restore()
-        stats = token_logprobs(model, row, temperature, with_topk, support_ids=row.support_ids, router=router)
+        stats = token_logprobs(
+            model,
+            row,
+            temperature,
+            with_topk,
+            support_ids=row.support_ids,
+            router=router,
+            head_kernel=head_kernel,
+        )
         # FSDP2 hooks the root's outputs for backward; a view output would lose that hook on in-place use.
         return tuple(
             t.clone() if t is not None and t._is_view() else t

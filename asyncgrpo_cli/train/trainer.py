@@ -127,6 +127,7 @@ class Trainer:
             self.temperature,
             self.info.world_size,
             router=p.router,
+            head_kernel=self.cfg.model.lm_head_kernel,
         )
         raw = reduce_raw_metrics(merge_metric_parts(res.raw_parts), self.info)
         records = p.loss_fn.metric_records(raw)

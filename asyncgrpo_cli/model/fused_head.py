@@ -1,0 +1,214 @@
+"""Fused LM head: the chunked head's statistics (``model/chunked_head.py``) from two Triton kernels that never
+write a logit to memory in forward and write only one bf16 tile of logit gradients at a time in backward.
+
+Same contract and formulas as :class:`~asyncgrpo_cli.model.chunked_head.ChunkedHeadFunction` (read its module
+doc for z, log Z, the entropy and the candidate log-probs); what differs is where the work runs:
+
+- **Forward** (``_forward_kernel``): each program owns ``BLOCK_N`` positions and one slice of the vocabulary
+  (the vocabulary is split so the grid fills the GPU at any N). It loops over ``BLOCK_V``-wide blocks of its
+  slice; each block's fp32 logits come from ``tl.dot`` over the hidden dimension and stay in registers: the
+  transform (scale, soft-cap, 1/T) is applied there, the online logsumexp state (running max m, Σ e^(z-m),
+  Σ e^(z-m)·z) is updated, and the logits at the target and candidate ids are picked by comparing the block's
+  column ids with each id (one compare-and-select per id, ``NUM_IDS`` is a compile-time constant). Each program
+  writes its slice's (m, s, a) and picks; a few [splits, N] torch ops combine the slices. The chunked head needs
+  ~25 element-wise launches and several fp32 [n, v] round trips through memory per tile for the same numbers.
+- **Backward** (``_grad_kernel``): one program per [BLOCK_N, BLOCK_V] block of a tile recomputes the block's
+  logits the same way and writes ∂L/∂x = slope · (Σ_j g_j·1[v = id_j] - G·p_v) in the weight dtype into a
+  [positions, vocab] tile buffer (at most ``GRAD_TILE_ELEMENTS`` entries, 256 MiB in bf16); two cuBLAS matmuls per
+  tile then give grad_h += ∂L/∂x · W_tile and grad_W_tile += ∂L/∂xᵀ · h, as in the chunked head.
+
+Logits are accumulated in fp32 by the kernels (the chunked and dense heads round the matmul's output to the
+weight dtype first), so bf16 results differ from theirs by that rounding; fp32 inputs run the dot in IEEE fp32
+(no TF32) and agree to rounding. Candidate sets (``support_ids``) are not handled here: ``chunked_token_stats``
+runs the chunked head for them.
+
+Hand-written because no maintained library kernel computes this set of outputs: fused linear cross-entropy
+kernels (Liger, Apple's cut-cross-entropy) return the target's log-prob or a reduced loss, not the entropy and
+the log-probs of a second set of ids per position, and they are not differentiable through those. On machines
+without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``), which is how the CPU tests
+check them against the chunked head.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+from asyncgrpo_cli.model.chunked_head import LogitTransform
+
+GRAD_TILE_ELEMENTS = 1 << 27
+"""Largest [positions, vocab] gradient tile backward writes (2^27 entries: 256 MiB in bf16)."""
+GRAD_VOCAB_CHUNK = 16384
+"""Vocabulary entries per backward tile."""
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def unsupported(hidden: torch.Tensor, interpreter: bool = False) -> str | None:
+    """Why the fused head cannot run on ``hidden``'s device (None when it can). With ``interpreter`` (an explicit
+    ``triton`` choice), CPU tensors run under Triton's interpreter when ``TRITON_INTERPRET=1`` (tests)."""
+    if hidden.device.type != "cuda" and not (interpreter and _interpreting()):
+        return f"the fused head runs on CUDA (hidden states are on {hidden.device.type})"
+    reason = triton_missing()
+    if reason is not None:
+        return reason
+    return None
+
+
+def head_that_runs(kernel: str, device: torch.device | str) -> str:
+    """``model.lm_head_kernel`` -> the head that runs on ``device`` (rows without candidate sets): triton or torch."""
+    if kernel == "torch":
+        return "torch"
+    if kernel == "triton" or (torch.device(device).type == "cuda" and triton_missing() is None):
+        return "triton"
+    return "torch"
+
+
+@functools.cache
+def triton_missing() -> str | None:
+    """None when Triton imports, else the reason (the message names the fix)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        return f"Triton is not installed ({exc}); install triton or set model.lm_head_kernel=torch"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------- kernels
+def _kernels() -> tuple[Any, Any]:
+    """The Triton kernels (Triton is imported only when the fused head runs)."""
+    from asyncgrpo_cli.model import fused_head_kernels
+
+    return fused_head_kernels.forward_kernel, fused_head_kernels.grad_kernel
+
+
+def _blocks(dtype: torch.dtype) -> dict[str, Any]:
+    """Tile sizes and launch options: small blocks under the interpreter (numpy), Hopper-sized on GPUs."""
+    precision = "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
+    if _interpreting():
+        return dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=16, PRECISION=precision)
+    return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, PRECISION=precision, num_warps=8, num_stages=3)
+
+
+SPLIT_BLOCKS = 64
+"""Vocabulary blocks per forward program (8,192 entries at BLOCK_V = 128; 19 slices of Qwen3's vocabulary, so
+4k positions already give ~600 programs). A compile-time constant: the slice width must not depend on N, or
+every row length would compile the kernel again."""
+INTERPRETER_SPLIT_BLOCKS = 2
+
+
+def _transform_args(transform: LogitTransform) -> dict[str, Any]:
+    return dict(
+        scale=1.0 if transform.scale is None else float(transform.scale),
+        softcap=1.0 if transform.softcap is None else float(transform.softcap),
+        inv_temp=1.0 / float(transform.temperature),
+        HAS_SCALE=transform.scale is not None,
+        HAS_SOFTCAP=transform.softcap is not None,
+    )
+
+
+# ------------------------------------------------------------------------------------------------- autograd
+class FusedHeadFunction(torch.autograd.Function):
+    """(hidden, weight, bias, targets, candidate_ids, transform) -> (logprobs, entropy, candidate_logprobs)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, candidate_ids, transform: LogitTransform):
+        forward_kernel, _ = _kernels()
+        n_pos, n_hidden = hidden.shape
+        vocab = weight.shape[0]
+        h = hidden.to(weight.dtype).contiguous()
+        w = weight.contiguous()
+        ids = torch.cat([targets[:, None], candidate_ids], dim=1).contiguous()  # [N, 1 + K], int64
+        num_ids = ids.shape[1]
+        ids_p = max(2, 1 << (num_ids - 1).bit_length())
+        blocks = _blocks(w.dtype)
+        n_blocks = -(-n_pos // blocks["BLOCK_N"])
+        split_blocks = INTERPRETER_SPLIT_BLOCKS if _interpreting() else SPLIT_BLOCKS
+        splits = -(-vocab // (split_blocks * blocks["BLOCK_V"]))
+        f32 = dict(dtype=torch.float32, device=hidden.device)
+        m = torch.empty(splits, n_pos, **f32)
+        s = torch.empty(splits, n_pos, **f32)
+        a = torch.empty(splits, n_pos, **f32)
+        picks = torch.empty(splits, n_pos, ids_p, **f32)
+        if n_pos:
+            forward_kernel[(n_blocks, splits)](
+                h, w, w if bias is None else bias, ids, m, s, a, picks,
+                n_pos, vocab, h.stride(0), w.stride(0), HIDDEN=n_hidden, SPLIT_BLOCKS=split_blocks,
+                HAS_BIAS=bias is not None, NUM_IDS=num_ids, IDS_P=ids_p,
+                **_transform_args(transform), **blocks,
+            )  # fmt: skip
+        top = m.amax(0)
+        weight_of_split = torch.exp(m - top)
+        total = (s * weight_of_split).sum(0)
+        log_z = top + total.log()
+        entropy = log_z - (a * weight_of_split).sum(0) / total
+        out = picks[..., :num_ids].amax(0) - log_z[:, None]
+        logprobs, cand_logprobs = out[:, 0].contiguous(), out[:, 1:].contiguous()
+        ctx.save_for_backward(hidden, weight, bias, ids, log_z)
+        ctx.cand_live = torch.isfinite(cand_logprobs)
+        ctx.transform = transform
+        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy, cand_logprobs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_logprobs, _g_entropy, g_cand):
+        hidden, weight, bias, ids, log_z = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if (g_logprobs is None and g_cand is None) or not (need_h or need_w or need_b):
+            return (None,) * 6
+        _, grad_kernel = _kernels()
+        n_pos, n_hidden = hidden.shape
+        vocab = weight.shape[0]
+        f32 = dict(dtype=torch.float32, device=hidden.device)
+        g_t = torch.zeros(n_pos, **f32) if g_logprobs is None else g_logprobs.float()
+        g_k = torch.zeros(ctx.cand_live.shape, **f32) if g_cand is None else g_cand.float()
+        g_ids = torch.cat([g_t[:, None], torch.where(ctx.cand_live, g_k, 0.0)], dim=1).contiguous()
+        g_total = g_ids.sum(1).contiguous()
+        h = hidden.to(weight.dtype).contiguous()
+        w = weight.contiguous()
+        transform = ctx.transform
+        slope_factor = (1.0 if transform.scale is None else transform.scale) / transform.temperature
+        blocks = _blocks(w.dtype)
+        vocab_chunk = min(vocab, GRAD_VOCAB_CHUNK)
+        position_chunk = max(1, min(n_pos, GRAD_TILE_ELEMENTS // vocab_chunk))
+        grad_h = torch.zeros(hidden.shape, **f32) if need_h else None
+        grad_w = torch.empty_like(weight) if need_w else None
+        grad_b = torch.empty_like(bias) if need_b else None
+        dx_buffer = torch.empty(position_chunk, vocab_chunk, dtype=w.dtype, device=hidden.device)
+        for v0 in range(0, vocab, vocab_chunk):
+            v1 = min(v0 + vocab_chunk, vocab)
+            w_tile = w[v0:v1]
+            gw = torch.zeros(v1 - v0, n_hidden, **f32) if need_w and position_chunk < n_pos else None
+            gb = torch.zeros(v1 - v0, **f32) if need_b else None
+            for p0 in range(0, n_pos, position_chunk):
+                p1 = min(p0 + position_chunk, n_pos)
+                dx = dx_buffer[: p1 - p0, : v1 - v0]
+                grid = (-(-(p1 - p0) // blocks["BLOCK_N"]), -(-(v1 - v0) // blocks["BLOCK_V"]))
+                grad_kernel[grid](
+                    h[p0:p1], w, w if bias is None else bias, ids[p0:p1], g_ids[p0:p1], g_total[p0:p1],
+                    log_z[p0:p1], dx, p1 - p0, v1 - v0, h.stride(0), w.stride(0), dx.stride(0), v0,
+                    slope_factor=slope_factor, HIDDEN=n_hidden, HAS_BIAS=bias is not None, NUM_IDS=ids.shape[1],
+                    **_transform_args(transform), **blocks,
+                )  # fmt: skip
+                if need_h:
+                    grad_h[p0:p1] += dx @ w_tile
+                if need_w:
+                    if gw is None:
+                        grad_w[v0:v1] = dx.T @ h[p0:p1]  # one chunk of positions: cuBLAS accumulates in fp32
+                    else:
+                        gw += dx.T @ h[p0:p1]
+                if need_b:
+                    gb += dx.sum(0, dtype=torch.float32)
+            if gw is not None:
+                grad_w[v0:v1] = gw
+            if need_b:
+                grad_b[v0:v1] = gb
+        grad_h = grad_h.to(hidden.dtype) if need_h else None
+        return grad_h, grad_w, grad_b, None, None, None

@@ -1,0 +1,59 @@
+"""The fused Triton LM head (``model/fused_head.py``) against the chunked torch head it replaces on CUDA.
+
+On CPU its kernels run under Triton's interpreter, in a child pytest of ``tests/fused_head_interpreted.py`` (the
+interpreter must be switched on before Triton is imported). The bf16 comparison at real shapes is
+``tests/gpu/test_fused_head_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncgrpo_cli.model.chunked_head import chunked_token_stats
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_kernels_under_the_interpreter_match_the_chunked_head():
+    pytest.importorskip("triton", reason="the fused head's kernels need Triton (its interpreter runs on CPU)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/fused_head_interpreted.py"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
+
+
+def inputs(n=37, hidden=48, vocab=300, k=3):
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(n, hidden, generator=gen)
+    w = torch.randn(vocab, hidden, generator=gen) * 0.3
+    return h, w, torch.randint(0, vocab, (n,), generator=gen), torch.randint(-1, vocab, (n, k), generator=gen)
+
+
+def test_without_a_gpu_auto_runs_chunked_and_triton_names_the_key(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    h, w, targets, cands = inputs()
+    auto = chunked_token_stats(h, w, targets, candidate_ids=cands, kernel="auto")
+    ref = chunked_token_stats(h, w, targets, candidate_ids=cands, kernel="torch")
+    assert torch.equal(auto.logprobs, ref.logprobs) and torch.equal(
+        auto.candidate_logprobs, ref.candidate_logprobs
+    )
+    with pytest.raises(
+        ValueError, match=r"model.lm_head_kernel=triton cannot run: the fused head runs on CUDA"
+    ):
+        chunked_token_stats(h, w, targets, kernel="triton")
+    with pytest.raises(ValueError, match=r"model.lm_head_kernel='cuda': use one of auto, torch, triton"):
+        chunked_token_stats(h, w, targets, kernel="cuda")

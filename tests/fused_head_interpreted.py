@@ -150,3 +150,13 @@ def test_through_the_trainers_token_logprobs(fused):
         )
     for x, y in zip(got_grads, ref_grads, strict=True):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+
+
+def test_candidates_that_repeat_the_target_or_each_other(fused):
+    """A candidate equal to the target and two equal candidates: the gradients of every copy add up."""
+    h, w, b, targets, cands = inputs(k=4)
+    cands[:, 0] = targets
+    cands[:, 2] = cands[:, 1]
+    cands[::3, 3] = -1
+    for transform in TRANSFORMS.values():
+        assert_close_to_chunked(fused.FusedHeadFunction.apply, h, w, b, targets, cands, transform)

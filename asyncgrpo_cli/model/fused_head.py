@@ -9,13 +9,17 @@ doc for z, log Z, the entropy and the candidate log-probs); what differs is wher
   slice; each block's fp32 logits come from ``tl.dot`` over the hidden dimension and stay in registers: the
   transform (scale, soft-cap, 1/T) is applied there, the online logsumexp state (running max m, Σ e^(z-m),
   Σ e^(z-m)·z) is updated, and the logits at the target and candidate ids are picked by comparing the block's
-  column ids with each id (one compare-and-select per id, ``NUM_IDS`` is a compile-time constant). Each program
-  writes its slice's (m, s, a) and picks; a few [splits, N] torch ops combine the slices. The chunked head needs
-  ~25 element-wise launches and several fp32 [n, v] round trips through memory per tile for the same numbers.
-- **Backward** (``_grad_kernel``): one program per [BLOCK_N, BLOCK_V] block of a tile recomputes the block's
-  logits the same way and writes ∂L/∂x = slope · (Σ_j g_j·1[v = id_j] - G·p_v) in the weight dtype into a
-  [positions, vocab] tile buffer (at most ``GRAD_TILE_ELEMENTS`` entries, 256 MiB in bf16); two cuBLAS matmuls per
-  tile then give grad_h += ∂L/∂x · W_tile and grad_W_tile += ∂L/∂xᵀ · h, as in the chunked head.
+  column ids with each id (one compare-and-select per id; ``NUM_IDS`` is a compile-time constant; measured
+  faster than a register gather, ``tl.gather``, on an H200). Each program writes its slice's (m, s, a) and picks; a few [splits, N]
+  torch ops combine the slices. The chunked head needs ~25 element-wise launches and several fp32 [n, v] round
+  trips through memory per tile for the same numbers.
+- **Backward** (``grad_kernel``): one program per [BLOCK_N, BLOCK_V] block of a tile recomputes the block's
+  logits the same way and writes the dense part of ∂L/∂x, -G·p_v·∂z/∂x, in the weight dtype into a [positions,
+  vocab] tile buffer (at most ``GRAD_TILE_ELEMENTS`` entries, 256 MiB in bf16). The target and candidate columns
+  are then overwritten with their exact value ∂z/∂x·(Σ_{j: id_j = v} g_j - G·p_v), computed in fp32 from the
+  forward's picked logits (an ``index_put_`` of N x (1 + K) entries; adding g to the rounded dense value instead
+  would cancel catastrophically in bf16 where p_target is close to 1). Two cuBLAS matmuls per tile then give
+  grad_h += ∂L/∂x · W_tile and grad_W_tile += ∂L/∂xᵀ · h, as in the chunked head.
 
 Logits are accumulated in fp32 by the kernels (the chunked and dense heads round the matmul's output to the
 weight dtype first), so bf16 results differ from theirs by that rounding; fp32 inputs run the dot in IEEE fp32
@@ -43,6 +47,8 @@ GRAD_TILE_ELEMENTS = 1 << 27
 """Largest [positions, vocab] gradient tile backward writes (2^27 entries: 256 MiB in bf16)."""
 GRAD_VOCAB_CHUNK = 16384
 """Vocabulary entries per backward tile."""
+SPARE = 8
+"""Columns past each backward tile that absorb the id entries outside it."""
 
 
 def _interpreting() -> bool:
@@ -87,12 +93,17 @@ def _kernels() -> tuple[Any, Any]:
     return fused_head_kernels.forward_kernel, fused_head_kernels.grad_kernel
 
 
-def _blocks(dtype: torch.dtype) -> dict[str, Any]:
-    """Tile sizes and launch options: small blocks under the interpreter (numpy), Hopper-sized on GPUs."""
+FORWARD_BLOCKS = dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, num_warps=8, num_stages=3)
+GRAD_BLOCKS = dict(BLOCK_N=128, BLOCK_V=256, BLOCK_D=64, num_warps=8, num_stages=3)
+"""Tile sizes and launch options of the two kernels on GPUs (measured on an H200: docs/benchmarks.md)."""
+
+
+def _blocks(dtype: torch.dtype, tuned: dict[str, int]) -> dict[str, Any]:
+    """Tile sizes and launch options: small blocks under the interpreter (numpy), ``tuned`` on GPUs."""
     precision = "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     if _interpreting():
         return dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=16, PRECISION=precision)
-    return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, PRECISION=precision, num_warps=8, num_stages=3)
+    return dict(tuned, PRECISION=precision)
 
 
 SPLIT_BLOCKS = 64
@@ -126,7 +137,7 @@ class FusedHeadFunction(torch.autograd.Function):
         ids = torch.cat([targets[:, None], candidate_ids], dim=1).contiguous()  # [N, 1 + K], int64
         num_ids = ids.shape[1]
         ids_p = max(2, 1 << (num_ids - 1).bit_length())
-        blocks = _blocks(w.dtype)
+        blocks = _blocks(w.dtype, FORWARD_BLOCKS)
         n_blocks = -(-n_pos // blocks["BLOCK_N"])
         split_blocks = INTERPRETER_SPLIT_BLOCKS if _interpreting() else SPLIT_BLOCKS
         splits = -(-vocab // (split_blocks * blocks["BLOCK_V"]))
@@ -147,10 +158,10 @@ class FusedHeadFunction(torch.autograd.Function):
         total = (s * weight_of_split).sum(0)
         log_z = top + total.log()
         entropy = log_z - (a * weight_of_split).sum(0) / total
-        out = picks[..., :num_ids].amax(0) - log_z[:, None]
+        picked = picks[..., :num_ids].amax(0)  # z at the ids; -inf for absent candidates
+        out = picked - log_z[:, None]
         logprobs, cand_logprobs = out[:, 0].contiguous(), out[:, 1:].contiguous()
-        ctx.save_for_backward(hidden, weight, bias, ids, log_z)
-        ctx.cand_live = torch.isfinite(cand_logprobs)
+        ctx.save_for_backward(hidden, weight, bias, ids, picked, log_z)
         ctx.transform = transform
         ctx.mark_non_differentiable(entropy)
         ctx.set_materialize_grads(False)
@@ -159,29 +170,42 @@ class FusedHeadFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_logprobs, _g_entropy, g_cand):
-        hidden, weight, bias, ids, log_z = ctx.saved_tensors
+        hidden, weight, bias, ids, picked, log_z = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if (g_logprobs is None and g_cand is None) or not (need_h or need_w or need_b):
             return (None,) * 6
         _, grad_kernel = _kernels()
         n_pos, n_hidden = hidden.shape
         vocab = weight.shape[0]
+        transform = ctx.transform
         f32 = dict(dtype=torch.float32, device=hidden.device)
+        live = torch.isfinite(picked)  # [N, 1 + K]; the target is always live
         g_t = torch.zeros(n_pos, **f32) if g_logprobs is None else g_logprobs.float()
-        g_k = torch.zeros(ctx.cand_live.shape, **f32) if g_cand is None else g_cand.float()
-        g_ids = torch.cat([g_t[:, None], torch.where(ctx.cand_live, g_k, 0.0)], dim=1).contiguous()
-        g_total = g_ids.sum(1).contiguous()
+        g_k = torch.zeros(n_pos, ids.shape[1] - 1, **f32) if g_cand is None else g_cand.float()
+        g_ids = torch.where(live, torch.cat([g_t[:, None], g_k], dim=1), 0.0)
+        g_total = g_ids.sum(1).contiguous()  # G
+        # Exact ∂L/∂x at the id columns: Σ of g over the ids equal to this one (a candidate may be the target),
+        # minus G·p, times the slope, all in fp32.
+        same = ids[:, :, None] == ids[:, None, :]
+        g_same = (same * g_ids[:, None, :]).sum(2)
+        z_ids = torch.where(live, picked, 0.0)
+        slope_factor = (1.0 if transform.scale is None else transform.scale) / transform.temperature
+        slope = transform.slope(z_ids) if transform.softcap is not None else slope_factor
+        exact = torch.where(
+            live, (g_same - g_total[:, None] * torch.exp(z_ids - log_z[:, None])) * slope, 0.0
+        )
         h = hidden.to(weight.dtype).contiguous()
         w = weight.contiguous()
-        transform = ctx.transform
-        slope_factor = (1.0 if transform.scale is None else transform.scale) / transform.temperature
-        blocks = _blocks(w.dtype)
+        blocks = _blocks(w.dtype, GRAD_BLOCKS)
         vocab_chunk = min(vocab, GRAD_VOCAB_CHUNK)
         position_chunk = max(1, min(n_pos, GRAD_TILE_ELEMENTS // vocab_chunk))
         grad_h = torch.zeros(hidden.shape, **f32) if need_h else None
         grad_w = torch.empty_like(weight) if need_w else None
         grad_b = torch.empty_like(bias) if need_b else None
-        dx_buffer = torch.empty(position_chunk, vocab_chunk, dtype=w.dtype, device=hidden.device)
+        # SPARE columns past the tile take the id entries that fall outside it (no host sync to filter them);
+        # 8 of them keep every row 16-byte aligned for cuBLAS.
+        dx_buffer = torch.empty(position_chunk, vocab_chunk + SPARE, dtype=w.dtype, device=hidden.device)
+        row_index = torch.arange(position_chunk, device=hidden.device)[:, None].expand(-1, ids.shape[1])
         for v0 in range(0, vocab, vocab_chunk):
             v1 = min(v0 + vocab_chunk, vocab)
             w_tile = w[v0:v1]
@@ -192,11 +216,15 @@ class FusedHeadFunction(torch.autograd.Function):
                 dx = dx_buffer[: p1 - p0, : v1 - v0]
                 grid = (-(-(p1 - p0) // blocks["BLOCK_N"]), -(-(v1 - v0) // blocks["BLOCK_V"]))
                 grad_kernel[grid](
-                    h[p0:p1], w, w if bias is None else bias, ids[p0:p1], g_ids[p0:p1], g_total[p0:p1],
-                    log_z[p0:p1], dx, p1 - p0, v1 - v0, h.stride(0), w.stride(0), dx.stride(0), v0,
-                    slope_factor=slope_factor, HIDDEN=n_hidden, HAS_BIAS=bias is not None, NUM_IDS=ids.shape[1],
+                    h[p0:p1], w, w if bias is None else bias, g_total[p0:p1], log_z[p0:p1], dx,
+                    p1 - p0, v1 - v0, h.stride(0), w.stride(0), dx.stride(0), v0,
+                    slope_factor=slope_factor, HIDDEN=n_hidden, HAS_BIAS=bias is not None,
                     **_transform_args(transform), **blocks,
                 )  # fmt: skip
+                local = ids[p0:p1] - v0
+                inside = (local >= 0) & (local < v1 - v0) & live[p0:p1]
+                cols = torch.where(inside, local, vocab_chunk)
+                dx_buffer[: p1 - p0].index_put_((row_index[: p1 - p0], cols), exact[p0:p1].to(w.dtype))
                 if need_h:
                     grad_h[p0:p1] += dx @ w_tile
                 if need_w:

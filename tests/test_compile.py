@@ -155,7 +155,7 @@ def test_a_step_that_compiled_is_logged_and_every_step_records_its_compile_time(
         trainer.p.state.step = 2
         Trainer._record_compile(trainer, 0.5)
     assert [r.getMessage() for r in caplog.records] == [
-        "trainer.compile=auto: step 1 took 14.0 s, 12.5 s of it compiling 3 graph(s)"
+        "trainer.compile=auto: step 1 took 14.0 s, 12.5 s of it compiling (3 compiles)"
     ]
     reduced = trainer.window.reduce()
     assert reduced["perf/compile_total_s"] == 12.5 and reduced["perf/compile_count"] == 3  # summed per window

@@ -101,7 +101,8 @@ def test_auto_leaves_the_layers_eager_on_cpu(tiny_model_dir):
 
 def test_the_row_length_is_dynamic_from_the_first_call():
     """A layer-shaped function (hidden [1, T, H], position ids, RoPE cos/sin, a dense mask) compiled through the
-    row-length marking compiles one graph for three lengths (dynamo alone: a static graph, then a dynamic one)."""
+    row-length marking compiles one graph for three lengths (dynamo alone: a static graph, then a dynamic one);
+    a call without autograd compiles nothing."""
     from torch._dynamo.utils import counters
 
     def layer(hidden, attention_mask=None, position_ids=None, position_embeddings=None):
@@ -123,11 +124,16 @@ def test_the_row_length_is_dynamic_from_the_first_call():
         torch._dynamo.reset()
         before = counters["stats"]["unique_graphs"]  # a process-wide count that reset() keeps
         compiled = torch.compile(layer, backend="eager")
-        forward = _dynamic_rows(compiled) if marked else compiled
+        forward = _dynamic_rows(compiled, layer) if marked else compiled
         for n in (5, 9, 13):
             args, kwargs = inputs(n)
             forward(*args, **kwargs)
         assert counters["stats"]["unique_graphs"] - before == graphs, marked
+    with torch.no_grad():  # a probe without autograd (the weight-sync check) runs the eager forward
+        args, kwargs = inputs(17)
+        expected = layer(*args, **kwargs)
+        assert torch.equal(_dynamic_rows(compiled, layer)(*args, **kwargs), expected)
+    assert counters["stats"]["unique_graphs"] - before == 2
 
 
 def test_compile_meter_measures_compiles_and_survives_dynamo_reset():
@@ -155,7 +161,7 @@ def test_a_step_that_compiled_is_logged_and_every_step_records_its_compile_time(
         trainer.p.state.step = 2
         Trainer._record_compile(trainer, 0.5)
     assert [r.getMessage() for r in caplog.records] == [
-        "trainer.compile=auto: step 1 took 14.0 s, 12.5 s of it compiling (3 compiles)"
+        "trainer.compile=auto: step 1 took 14.0 s, 12.5 s of it compiling (3 compile(s))"
     ]
     reduced = trainer.window.reduce()
     assert reduced["perf/compile_total_s"] == 12.5 and reduced["perf/compile_count"] == 3  # summed per window

@@ -8,7 +8,8 @@
   gradient checkpointing and LoRA wrap or live inside the layer, and the parameter names do not change. Packed
   rows change length every step, so each call marks the row-length dimension of the layer's inputs dynamic
   (``torch._dynamo.maybe_mark_dynamic``): the first row compiles a graph for any length, instead of one static
-  graph followed by a recompile at the second length. What stays static: flex attention's ``BlockMask`` carries
+  graph followed by a recompile at the second length; calls without autograd (the weight-sync check) run eagerly.
+  What stays static: flex attention's ``BlockMask`` carries
   its power-of-two bucket as Python ints (``model/flex.py``), so a row in a new bucket compiles once more (a
   handful of buckets per run); a hybrid's packed gated-DeltaNet forward runs outside the graphs
   (``model/gdn/layer.py``), and the graph after it follows dynamo's automatic dynamic shapes (static at the first
@@ -86,11 +87,18 @@ def compile_decoder_layers(model: Any) -> None:
     limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
     setattr(dynamo, limit, max(getattr(dynamo, limit), 8 + 2 * len(layers)))
     for layer in layers:
-        layer.forward = _dynamic_rows(torch.compile(layer.forward))
+        layer.forward = _dynamic_rows(torch.compile(layer.forward), layer.forward)
 
 
-def _dynamic_rows(compiled: Any) -> Any:
+def _dynamic_rows(compiled: Any, eager: Any) -> Any:
+    """The layer's forward: training calls run ``compiled`` with the row length marked dynamic; calls without
+    autograd (the weight-sync check's probe, ``sync/verify.py``) run ``eager``: a few short forwards per sync are
+    not worth another graph per layer, nor compiling a flex mask built inside the layer."""
+    import torch
+
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return eager(*args, **kwargs)
         mark_row_length_dynamic(args, kwargs)
         return compiled(*args, **kwargs)
 

@@ -264,7 +264,7 @@ class Trainer:
         self.window.add("perf/compile_count", count)
         if count:
             logger.info(
-                "trainer.compile=%s: step %d took %.1f s, %.1f s of it compiling (%d compiles)",
+                "trainer.compile=%s: step %d took %.1f s, %.1f s of it compiling (%d compile(s))",
                 str(self.cfg.trainer.compile).lower(),
                 self.p.state.step,
                 step_s,

@@ -2,16 +2,15 @@
 
 - **Whether** (:func:`compile_enabled`, the one place ``auto`` is resolved): ``auto`` (the default) compiles on
   CUDA, where the fused layers are the trainer's largest speed-up (docs/benchmarks.md), and not on CPU, where
-  inductor builds C++ kernels for minutes to save seconds of a tiny model's training; ``true`` / ``false`` force
-  it either way. :func:`compile_plan` says the same for ``asyncgrpo check`` without importing torch.
+  inductor builds C++ kernels first (~40 s for the tiny model on 2 cores, cold cache) to save little on small
+  CPU runs; ``true`` / ``false`` force it either way. :func:`compile_plan` says the same for ``asyncgrpo check`` without importing torch.
 - **How** (:func:`compile_decoder_layers`): ``torch.compile`` of each decoder layer's ``forward``; FSDP2's hooks,
   gradient checkpointing and LoRA wrap or live inside the layer, and the parameter names do not change. Packed
   rows change length every step, so each call marks the row-length dimension of the layer's inputs dynamic
   (``torch._dynamo.maybe_mark_dynamic``): the first row compiles a graph for any length, instead of one static
   graph followed by a recompile at the second length; calls without autograd (the weight-sync check) run eagerly.
-  What stays static: flex attention's ``BlockMask`` carries
-  its power-of-two bucket as Python ints (``model/flex.py``), so a row in a new bucket compiles once more (a
-  handful of buckets per run); a hybrid's packed gated-DeltaNet forward runs outside the graphs
+  What stays static: flex attention's ``BlockMask`` carries its power-of-two bucket as Python ints
+  (``model/flex.py``), so a row in a new bucket compiles once more (a handful of buckets per run); a hybrid's packed gated-DeltaNet forward runs outside the graphs
   (``model/gdn/layer.py``), and the graph after it follows dynamo's automatic dynamic shapes (static at the first
   length, dynamic from the second).
 - **What it cost** (:class:`CompileMeter`): dynamo calls its compile callbacks around every graph it compiles,

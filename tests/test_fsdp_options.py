@@ -15,9 +15,9 @@ from asyncgrpo_cli.config.schema import LossConfig, ModelConfig, PackingConfig, 
 from asyncgrpo_cli.errors import ConfigError, UserError
 from asyncgrpo_cli.model.loading import load_policy
 from asyncgrpo_cli.packing.sequence import SequencePacker
+from asyncgrpo_cli.train.compile import compile_decoder_layers
 from asyncgrpo_cli.train.distributed import (
     DistInfo,
-    compile_decoder_layers,
     destroy_distributed,
     iter_full_state,
     shard_model,

@@ -267,7 +267,8 @@ def build_trainer(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, r
     from asyncgrpo_cli.config.schema import LossConfig, ModelConfig, PackingConfig, TrainerConfig
     from asyncgrpo_cli.model.gdn.layer import installed_kernel
     from asyncgrpo_cli.model.loading import load_policy
-    from asyncgrpo_cli.train.distributed import compile_decoder_layers, shard_model
+    from asyncgrpo_cli.train.compile import compile_decoder_layers
+    from asyncgrpo_cli.train.distributed import shard_model
     from asyncgrpo_cli.train.flops import StepFlops
     from asyncgrpo_cli.train.optim import build_optimizer, build_scheduler
 

@@ -41,6 +41,8 @@ ConsoleMode = Annotated[str, Literal["live", "plain", "auto"]]
 SinkName = Annotated[str, Literal["console", "jsonl", "trackio"]]
 ToolCallFormat = Annotated[str, Literal["hermes"]]
 SamplingMismatch = Annotated[str, Literal["reject", "ignore"]]
+TrainCompile = Annotated[Any, Literal["auto", True, False], "auto compiles on CUDA, not on CPU"]
+"""``trainer.compile``: typed ``Any`` so YAML / Hydra booleans stay booleans next to the string ``auto``."""
 Algorithm = Annotated[
     str, Literal["grpo", "distill"], "grpo runs under `asyncgrpo train`, distill under `asyncgrpo distill`"
 ]
@@ -50,28 +52,44 @@ Algorithm = Annotated[
 class Choice:
     """The values a field accepts (``optional``: null too; ``each``: a list whose items are choices)."""
 
-    values: tuple[str, ...]
+    values: tuple[Any, ...]
+    """Strings, or booleans (``trainer.compile``: auto, true, false)."""
     why: str = ""
     optional: bool = False
     each: bool = False
 
+    def names(self) -> list[str]:
+        return [_name(v) for v in self.values] + (["null"] if self.optional else [])
+
     def allowed(self) -> str:
-        names = [*self.values, *(["null"] if self.optional else [])]
+        names = self.names()
         return f"{names[0]} or {names[1]}" if len(names) == 2 else f"one of {', '.join(names)}"
 
     def error(self, path: str, value: Any) -> str | None:
-        """The message for a value outside the set (None when it is allowed), with a "did you mean" hint."""
-        if value in self.values or (value is None and self.optional):
+        """The message for a value outside the set (None when it is allowed), with a "did you mean" hint.
+
+        Types must match too: 1 is not true, and the string 'true' is not the boolean true."""
+        if any(type(value) is type(v) and value == v for v in self.values) or (
+            value is None and self.optional
+        ):
             return None
         why = f" ({self.why})" if self.why else ""
-        close = difflib.get_close_matches(str(value), self.values, n=1, cutoff=0.6)
+        if isinstance(value, str) and value.lower() in {
+            _name(v) for v in self.values if not isinstance(v, str)
+        }:
+            return f"{path} ({value!r}) must be {self.allowed()}{why}; write {path}={value.lower()} unquoted."
+        strings = [v for v in self.values if isinstance(v, str)]
+        close = difflib.get_close_matches(str(value), strings, n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else "."
         return f"{path} ({value!r}) must be {self.allowed()}{why}{hint}"
 
     def explain(self) -> str:
-        return ("each: " if self.each else "") + ", ".join(
-            [*self.values, *(["null"] if self.optional else [])]
-        )
+        return ("each: " if self.each else "") + ", ".join(self.names())
+
+
+def _name(value: Any) -> str:
+    """A choice as a user writes it: booleans as YAML spells them."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _strip_optional(tp: Any) -> tuple[bool, Any]:

@@ -12,6 +12,7 @@ from asyncgrpo_cli.config import lora as lora_policy
 from asyncgrpo_cli.config import schema
 from asyncgrpo_cli.config.choices import field_choices
 from asyncgrpo_cli.config.schema import RootConfig
+from asyncgrpo_cli.train.compile import compile_plan
 
 
 def plan_lines(cfg: RootConfig) -> list[tuple[str, str]]:
@@ -89,6 +90,7 @@ def plan_lines(cfg: RootConfig) -> list[tuple[str, str]]:
         ),
         ("concurrency", f"at most {ro.max_concurrent_rollouts} rollouts in flight"),
         ("optimizer", f"AdamW lr={tr.learning_rate:g} ({tr.lr_scheduler_type}), clip {tr.max_grad_norm:g}"),
+        ("compile", compile_plan(tr.compile, tr.device)),
         ("length", length),
         ("checkpoints", f"every {tr.save_steps} steps" if tr.save_steps else "at the end only"),
         ("resume", str(tr.resume)),

@@ -25,6 +25,7 @@ from asyncgrpo_cli.config.choices import (
     SamplingMask,
     SinkName,
     ToolCallFormat,
+    TrainCompile,
     TrainDevice,
     choice_of,
 )
@@ -339,9 +340,10 @@ class TrainerConfig:
         "FSDP2: free each layer's gathered parameters after its forward and gather them again for backward; false "
         "keeps them until backward (one all-gather less per step, more GPU memory).",
     )
-    compile: bool = F(
-        False,
-        "torch.compile each decoder layer (the first steps pay the compilation; mostly worth it on GPUs).",
+    compile: TrainCompile = F(
+        "auto",
+        "torch.compile each decoder layer: auto (on CUDA, not on CPU), true or false. The first step pays the "
+        "compilation (logged, and perf/compile_total_s per window); later row lengths reuse the graphs.",
     )
     dist_timeout: float = F(1800.0, "Seconds a collective may wait for the other ranks before failing.")
     device: TrainDevice = F("auto", "Training device: auto, cpu or cuda.")

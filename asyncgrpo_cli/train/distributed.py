@@ -102,22 +102,6 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def compile_decoder_layers(model: Any) -> None:
-    """``torch.compile`` each decoder layer's ``forward`` (``trainer.compile``); call before :func:`shard_model`.
-
-    Only the layer's computation is compiled: FSDP2's hooks and gradient checkpointing wrap it and stay eager, and
-    the parameter names do not change (checkpoints and weight sync see the same keys). Identical layers share one
-    compiled graph; a row of a new length compiles once more, then the length is treated as dynamic.
-    """
-    import torch._dynamo.config as dynamo
-
-    layers = decoder_layers(model)
-    limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
-    setattr(dynamo, limit, max(getattr(dynamo, limit), 8 + 2 * len(layers)))  # guards may differ per layer
-    for layer in layers:
-        layer.forward = torch.compile(layer.forward)
-
-
 def shard_model(
     model: Any,
     info: DistInfo,

@@ -65,9 +65,9 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
         load_training_state,
         read_resume_state,
     )
+    from asyncgrpo_cli.train.compile import maybe_compile_decoder_layers
     from asyncgrpo_cli.train.distributed import (
         broadcast_object,
-        compile_decoder_layers,
         destroy_distributed,
         init_distributed,
         shard_model,
@@ -116,8 +116,7 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
         tokenizer = load_tokenizer(model_path, cfg.model)
         model = load_policy(model_path, cfg.model, device)
         router = resolve_router_aux(model, cfg.loss.router_aux_loss_coef)  # MoE load balancing, or None
-        if tr.compile:
-            compile_decoder_layers(model)
+        maybe_compile_decoder_layers(model, tr.compile, device)  # trainer.compile=auto: on CUDA
         model = shard_model(model, info, device, tr.mixed_precision, tr.cpu_offload, tr.reshard_after_forward)
         optimizer = build_optimizer(model, tr)
         scheduler = build_scheduler(optimizer, tr)

@@ -22,6 +22,7 @@ from asyncgrpo_cli.metrics.reducer import MetricWindow
 from asyncgrpo_cli.rollout.resync import server_unreachable
 from asyncgrpo_cli.train.batching import StepBatch, StepCollector
 from asyncgrpo_cli.train.checkpoint import TrainerState, data_identity, save_checkpoint
+from asyncgrpo_cli.train.compile import compile_meter
 from asyncgrpo_cli.train.distributed import DistInfo, RankStep, reduce_raw_metrics, scatter_step
 from asyncgrpo_cli.train.losses import merge_metric_parts
 from asyncgrpo_cli.train.progress import PromptTracker
@@ -73,6 +74,9 @@ class Trainer:
         compute = cfg.trainer.mixed_precision or cfg.model.dtype
         self._peak = peak_tflops(parts.device, compute)
         self._flops = StepFlops(parts.model) if self._peak is not None else None
+        self._compile_meter = compile_meter() if self.info.is_main else None
+        if self._compile_meter is not None:
+            self._compile_meter.take()  # from here on: what the steps compile
 
     # ------------------------------------------------------------------ loop
     def train(self) -> TrainerState:
@@ -166,6 +170,7 @@ class Trainer:
             times,
             aux_loss=(totals[4], totals[5]) if p.router is not None else None,
         )
+        self._record_compile(times.step_s)
         self._record_gauges()
         if self.cfg.logging.log_completions:
             self._log_completions(step)
@@ -253,6 +258,21 @@ class Trainer:
         logger.warning("pushed weights v%d again to the generation server", p.state.model_version)
 
     # ------------------------------------------------------------------ metrics (rank 0)
+    def _record_compile(self, step_s: float) -> None:
+        """What torch.compile spent in this step (``train/compile.py``): 0 once warm; a step that compiled is logged."""
+        seconds, count = self._compile_meter.take()
+        self.window.add("perf/compile_total_s", seconds)
+        self.window.add("perf/compile_count", count)
+        if count:
+            logger.info(
+                "trainer.compile=%s: step %d took %.1f s, %.1f s of it compiling (%d compile(s))",
+                str(self.cfg.trainer.compile).lower(),
+                self.p.state.step,
+                step_s,
+                seconds,
+                count,
+            )
+
     def _record_gauges(self) -> None:
         w, p = self.window, self.p
         w.set_gauge("num_tokens", p.state.num_tokens)

@@ -1,0 +1,173 @@
+"""``trainer.compile``: whether the decoder layers run compiled, compiling them, and what the compiling cost.
+
+- **Whether** (:func:`compile_enabled`, the one place ``auto`` is resolved): ``auto`` (the default) compiles on
+  CUDA, where the fused layers are the trainer's largest speed-up (docs/benchmarks.md), and not on CPU, where
+  inductor builds C++ kernels first (~40 s for the tiny model on 2 cores, cold cache) to save little on small
+  CPU runs; ``true`` / ``false`` force it either way. :func:`compile_plan` says the same for ``asyncgrpo check`` without importing torch.
+- **How** (:func:`compile_decoder_layers`): ``torch.compile`` of each decoder layer's ``forward``; FSDP2's hooks,
+  gradient checkpointing and LoRA wrap or live inside the layer, and the parameter names do not change. Packed
+  rows change length every step, so each call marks the row-length dimension of the layer's inputs dynamic
+  (``torch._dynamo.maybe_mark_dynamic``): the first row compiles a graph for any length, instead of one static
+  graph followed by a recompile at the second length; calls without autograd (the weight-sync check) run eagerly.
+  What stays static: flex attention's ``BlockMask`` carries its power-of-two bucket as Python ints
+  (``model/flex.py``), so a row in a new bucket compiles once more (a handful of buckets per run); a hybrid's packed gated-DeltaNet forward runs outside the graphs
+  (``model/gdn/layer.py``), and the graph after it follows dynamo's automatic dynamic shapes (static at the first
+  length, dynamic from the second).
+- **What it cost** (:class:`CompileMeter`): dynamo calls its compile callbacks around every graph it compiles,
+  forward frames and the backward graphs it compiles lazily at the first backward; the meter adds up the wall time
+  between them and counts them. The trainer logs a step that compiled and records ``perf/compile_total_s`` and
+  ``perf/compile_count`` for every step (0 once warm: a non-zero value later is a recompile).
+
+Imports torch only inside the functions that need it (``asyncgrpo check`` imports this module for the plan).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_SEQUENCE_DIMS = {"position_ids": (-1,), "position_embeddings": (-2,), "attention_mask": (-2, -1)}
+"""Row-length dimensions of a decoder layer's keyword inputs besides ``hidden_states`` [1, T, H]: position ids
+[..., T], RoPE cos / sin [1, T, D], a dense packed mask [1, 1, T, T] (a flex ``BlockMask`` is no tensor)."""
+
+
+def compile_enabled(setting: Any, device: Any) -> bool:
+    """Whether ``trainer.compile=setting`` compiles the decoder layers on ``device`` (a torch.device or a name)."""
+    if setting == "auto":
+        return getattr(device, "type", str(device).split(":")[0]) == "cuda"
+    if isinstance(setting, bool):
+        return setting
+    raise ValueError(f"trainer.compile={setting!r} must be auto, true or false")
+
+
+def compile_plan(setting: Any, device: str) -> str:
+    """``asyncgrpo check``'s line: what ``trainer.compile=setting`` does with ``trainer.device=device``."""
+    why = f"trainer.compile={str(setting).lower()}, trainer.device={device}"
+    if setting == "auto" and device == "auto":
+        return f"on if the trainer finds a CUDA device at start, off on CPU ({why})"
+    if not compile_enabled(setting, device):
+        return f"off: the decoder layers run eagerly ({why})"
+    cpu = "; on CPU inductor builds C++ kernels, slow first steps" if device == "cpu" else ""
+    return f"on: torch.compile of each decoder layer, compile time logged per step as perf/compile_total_s ({why}{cpu})"
+
+
+def maybe_compile_decoder_layers(model: Any, setting: Any, device: Any) -> bool:
+    """Compile ``model``'s decoder layers when ``trainer.compile`` resolves to on for ``device``; call before
+    FSDP2's ``shard_model``. Returns whether it did, and logs what ``auto`` resolved to."""
+    enabled = compile_enabled(setting, device)
+    if enabled:
+        compile_decoder_layers(model)
+    logger.info(
+        "trainer.compile=%s on %s: decoder layers %s",
+        str(setting).lower(),
+        device,
+        "compiled (the first step pays the compilation)" if enabled else "eager",
+    )
+    return enabled
+
+
+def compile_decoder_layers(model: Any) -> None:
+    """``torch.compile`` each decoder layer's ``forward``, its row length dynamic (module docstring).
+
+    Identical layers share one compiled graph; the recompile limit is raised because guards may still differ per
+    layer (e.g. the first and last layers' inputs), and a run must never fall back to eager silently.
+    """
+    import torch
+    import torch._dynamo.config as dynamo
+
+    from asyncgrpo_cli.train.distributed import decoder_layers
+
+    layers = decoder_layers(model)
+    limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo, limit, max(getattr(dynamo, limit), 8 + 2 * len(layers)))
+    for layer in layers:
+        layer.forward = _dynamic_rows(torch.compile(layer.forward), layer.forward)
+
+
+def _dynamic_rows(compiled: Any, eager: Any) -> Any:
+    """The layer's forward: training calls run ``compiled`` with the row length marked dynamic; calls without
+    autograd (the weight-sync check's probe, ``sync/verify.py``) run ``eager``: a few short forwards per sync are
+    not worth another graph per layer, nor compiling a flex mask built inside the layer."""
+    import torch
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return eager(*args, **kwargs)
+        mark_row_length_dynamic(args, kwargs)
+        return compiled(*args, **kwargs)
+
+    return forward
+
+
+def mark_row_length_dynamic(args: tuple, kwargs: dict[str, Any]) -> None:
+    """Mark the row-length dimension of a decoder layer's inputs dynamic for the compiler (a hint: a dimension the
+    graph has to specialize stays static, without an error)."""
+    import torch
+    from torch._dynamo import maybe_mark_dynamic
+
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+        return
+    n = hidden.shape[1]
+    maybe_mark_dynamic(hidden, 1)
+    for name, dims in _SEQUENCE_DIMS.items():
+        value = kwargs.get(name)
+        for t in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(t, torch.Tensor) and t.dim() >= len(dims):
+                for d in dims:
+                    if t.shape[d] == n:
+                        maybe_mark_dynamic(t, d % t.dim())
+
+
+class CompileMeter:
+    """Wall time spent compiling in this process, and how many compiles, since the last :meth:`take`.
+
+    Fed by dynamo's compile start / end callbacks, which fire around each frame compile and each lazy backward
+    compile (nested compiles report once, at the outermost). ``torch._dynamo.reset()`` clears the callbacks, so
+    :meth:`take` registers them again when they are gone. Use :func:`compile_meter` (one per process).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seconds = 0.0
+        self._count = 0
+        self._started: float | None = None
+        self._install()
+
+    def _install(self) -> None:
+        from torch._dynamo.callback import callback_handler
+
+        if self._on_start not in callback_handler.start_callbacks:
+            callback_handler.register_start_callback(self._on_start)
+        if self._on_end not in callback_handler.end_callbacks:
+            callback_handler.register_end_callback(self._on_end)
+
+    def _on_start(self, *_args: Any) -> None:
+        self._started = time.perf_counter()
+
+    def _on_end(self, *_args: Any) -> None:
+        if self._started is None:
+            return
+        with self._lock:
+            self._seconds += time.perf_counter() - self._started
+            self._count += 1
+        self._started = None
+
+    def take(self) -> tuple[float, int]:
+        """(seconds, compiles) since the previous call; starts the next interval."""
+        self._install()
+        with self._lock:
+            out = (self._seconds, self._count)
+            self._seconds, self._count = 0.0, 0
+        return out
+
+
+@functools.cache
+def compile_meter() -> CompileMeter:
+    """The process's :class:`CompileMeter` (its callbacks are registered once)."""
+    return CompileMeter()

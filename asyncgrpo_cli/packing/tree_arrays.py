@@ -1,23 +1,30 @@
-"""A tree-packed row's placements with array operations over the whole row: the group tries of ``packing/trie.py``
+"""A tree-packed row's placements with array operations over the whole row: the tries of ``packing/trie.py``
 without inserting samples one by one.
 
-What insertion decides for sample j of a group (rules in ``packing/trie.py``) depends on three numbers: ``m``,
-its longest common prefix (LCP) with an earlier sample of the group; ``i*``, the earliest sample reaching it; and
+Samples are inserted into *tries*: one per group (``packing.share_across_groups=false``) or, by default, one
+per row, so that groups whose prompts share a prefix (a system prompt, few-shot examples) share it too. Two
+samples with different first tokens share nothing, so a row's trie splits into independent sub-tries, one per
+first token; the caller numbers those (``trie``) and the work below is per sub-trie, as it was per group.
+
+What insertion decides for sample j of a trie (rules in ``packing/trie.py``) depends on three numbers: ``m``,
+its longest common prefix (LCP) with an earlier sample of the trie; ``i*``, the earliest sample reaching it; and
 whether an earlier sample of length > m reaches it (node m-1 has a child). They come from all pairwise LCPs of
-the group, found without comparing every pair token by token:
+the trie, found without comparing every pair token by token:
 
-  1. sort the row's samples by (group, token ids lexicographically, row index) (Python's sort on ``bytes``:
-     memcmp), so each group is one run and identical samples keep row order;
-  2. the LCP of each adjacent pair in that order: one vectorized comparison per pair, from the prefix the whole
-     group shares (the LCP of its first and last samples in that order) to min(L_a, L_b), so a shared prompt
-     is compared once per group, not once per sample;
-  3. the LCP of any two samples of a group is the minimum of the adjacent LCPs between them in sorted order (a
-     lexicographic-order property), so one ``minimum.accumulate`` over a [groups, G, G] array gives every pair;
+  1. sort the row's samples by (trie, token ids lexicographically, row index) (Python's sort on ``bytes``:
+     memcmp), so each trie is one run and identical samples keep row order;
+  2. the LCP of each adjacent pair in that order: one vectorized comparison per pair, from the prefix known to
+     be shared to min(L_a, L_b). Known shared: the LCP of the trie's first and last samples in that order, and
+     for two samples of one group the LCP of the group's first and last (every sample sorted between two others
+     shares their common prefix), so a system prompt is compared once per trie and a group's prompt once per
+     group, not once per sample;
+  3. the LCP of any two samples of a trie is the minimum of the adjacent LCPs between them in sorted order (a
+     lexicographic-order property), so one ``minimum.accumulate`` over a [tries, n, n] array gives every pair;
   4. permuted back to insertion order, ``m`` / ``i*`` / "has a child" are a masked max, argmax (earliest on
-     ties) and any over the earlier samples of each group.
+     ties) and any over the earlier samples of each trie.
 
-Rows whose padded [groups, G, G] array would be large (one group of thousands of samples) use the group tries
-instead (:data:`MAX_PAIRS`): the same numbers, per sample.
+Rows whose padded [tries, n, n] array would be large (one trie of thousands of samples) use
+:class:`~asyncgrpo_cli.packing.trie.GroupTrie` instead (:data:`MAX_PAIRS`): the same numbers, per sample.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import numpy as np
 from asyncgrpo_cli.packing.trie import GroupTrie
 
 MAX_PAIRS = 1 << 21
-"""Largest groups x G x G array step 3 builds; above it :func:`placements` inserts into :class:`GroupTrie`."""
+"""Largest tries x n x n array step 3 builds; above it :func:`placements` inserts into :class:`GroupTrie`."""
 
 
 def adjacent_lcp(
@@ -57,63 +64,84 @@ def adjacent_lcp(
 
 
 def placements(
-    cat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, group: np.ndarray
+    cat: np.ndarray,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    trie: np.ndarray,
+    group: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(parent, own_from) int64 [n] of each sample of a row: the row index of the earlier sample whose path it
-    shares below ``own_from`` (-1: none), and its first own depth, exactly as inserting each group's samples in
-    row order into a :class:`GroupTrie` gives them. ``group``: int64 [n], groups numbered 0, 1, ... by first
-    appearance."""
+    shares below ``own_from`` (-1: none), and its first own depth, exactly as inserting each trie's samples in
+    row order into a :class:`GroupTrie` gives them. ``trie``: int64 [n], the trie of each sample, numbered
+    0, 1, ... ; ``group``: int64 [n] (numbered alike) or None (the tries are the groups): the GRPO groups, whose
+    shared prompts step 2 of the module docstring skips."""
     n = lengths.shape[0]
-    sizes = np.bincount(group)
+    sizes = np.bincount(trie)
     ng, gmax = sizes.shape[0], int(sizes.max())
     if ng * gmax * gmax > MAX_PAIRS:
-        return _with_tries(cat, starts, lengths, group)
+        return _with_tries(cat, starts, lengths, trie)
     raw = cat.tobytes()
     keys = [raw[8 * s : 8 * (s + n_)] for s, n_ in zip(starts.tolist(), lengths.tolist(), strict=True)]
-    order = np.array([i for _, _, i in sorted(zip(group.tolist(), keys, range(n)))], dtype=np.int64)
+    order = np.array([i for _, _, i in sorted(zip(trie.tolist(), keys, range(n)))], dtype=np.int64)
     gstart = np.cumsum(sizes) - sizes
-    spos = np.empty(n, dtype=np.int64)  # sorted position within the group
-    spos[order] = np.arange(n) - gstart[group[order]]
-    by_group = np.argsort(group, kind="stable")
-    ipos = np.empty(n, dtype=np.int64)  # insertion (row-order) position within the group
-    ipos[by_group] = np.arange(n) - gstart[group[by_group]]
+    spos = np.empty(n, dtype=np.int64)  # sorted position within the trie
+    spos[order] = np.arange(n) - gstart[trie[order]]
+    by_trie = np.argsort(trie, kind="stable")
+    ipos = np.empty(n, dtype=np.int64)  # insertion (row-order) position within the trie
+    ipos[by_trie] = np.arange(n) - gstart[trie[by_trie]]
     big = np.iinfo(np.int64).max
     adj = np.full((ng, gmax), big, dtype=np.int64)  # adj[g, p]: LCP of sorted p - 1 and p
-    # The LCP of a group's lexicographically first and last samples is the prefix all of its samples share
+    # The LCP of a trie's lexicographically first and last samples is the prefix all of its samples share
     # (the prompt, usually): adjacent pairs are compared from there on only.
     shared = adjacent_lcp(cat, starts, lengths, order[gstart], order[gstart + sizes - 1])
-    same = np.flatnonzero(group[order[:-1]] == group[order[1:]])
+    same = np.flatnonzero(trie[order[:-1]] == trie[order[1:]])
     lo, hi = order[same], order[same + 1]
-    adj[group[hi], spos[hi]] = adjacent_lcp(cat, starts, lengths, lo, hi, shared[group[hi]])
+    skip = shared[trie[hi]]
+    if group is not None:  # two samples of one group also share the group's own prefix
+        own = _group_shared(cat, starts, lengths, group, spos + gstart[trie])
+        skip = np.where(group[lo] == group[hi], np.maximum(skip, own[group[hi]]), skip)
+    adj[trie[hi], spos[hi]] = adjacent_lcp(cat, starts, lengths, lo, hi, skip)
     col = np.arange(gmax)
     upper = np.where(col[None, None, :] > col[None, :, None], adj[:, None, :], big)
     lcp_sorted = np.minimum.accumulate(upper, axis=2)
     lcp_sorted = np.minimum(lcp_sorted, lcp_sorted.transpose(0, 2, 1))
     perm = np.zeros((ng, gmax), dtype=np.int64)  # perm[g, t]: sorted position of the t-th sample of g
-    perm[group, ipos] = spos
+    perm[trie, ipos] = spos
     member = np.zeros((ng, gmax), dtype=np.int64)
-    member[group, ipos] = np.arange(n)
+    member[trie, ipos] = np.arange(n)
     lens = np.zeros((ng, gmax), dtype=np.int64)
-    lens[group, ipos] = lengths
+    lens[trie, ipos] = lengths
     gi = np.arange(ng)[:, None, None]
     lcp = lcp_sorted[gi, perm[:, :, None], perm[:, None, :]]  # [g, earlier t_i, later t_j]
     valid = (col[None, :, None] < col[None, None, :]) & (col[None, None, :] < sizes[:, None, None])
     masked = np.where(valid, lcp, -1)
     m_all, best_all = masked.max(axis=1), masked.argmax(axis=1)
     child_all = (valid & (lcp == m_all[:, None, :]) & (lens[:, :, None] > m_all[:, None, :])).any(axis=1)
-    m, has_child = m_all[group, ipos], child_all[group, ipos]
-    best = member[group, best_all[group, ipos]]
+    m, has_child = m_all[trie, ipos], child_all[trie, ipos]
+    best = member[trie, best_all[trie, ipos]]
     root = m <= 0
     own_from = np.where(m == lengths, lengths, np.where(has_child, m - 1, m))
     return np.where(root, -1, best), np.where(root, 0, own_from)
 
 
-def _with_tries(cat, starts, lengths, group) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`placements` by inserting each group's samples into a :class:`GroupTrie` (row order)."""
+def _group_shared(
+    cat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, group: np.ndarray, rank: np.ndarray
+) -> np.ndarray:
+    """int64 [groups]: the LCP of each group's first and last sample in sort order (``rank``: each sample's
+    position in it). Every sample of the group sorts between the two, so any two of them share that prefix (a
+    group spread over several tries has samples of different first tokens: 0)."""
+    by = np.lexsort((rank, group))
+    sizes = np.bincount(group)
+    first = np.cumsum(sizes) - sizes
+    return adjacent_lcp(cat, starts, lengths, by[first], by[first + sizes - 1])
+
+
+def _with_tries(cat, starts, lengths, trie) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`placements` by inserting each trie's samples into a :class:`GroupTrie` (row order)."""
     tries: dict[int, tuple[GroupTrie, list[int]]] = {}
     parent = np.empty(lengths.shape[0], dtype=np.int64)
     own_from = np.empty(lengths.shape[0], dtype=np.int64)
-    for i, (g, s, n) in enumerate(zip(group.tolist(), starts.tolist(), lengths.tolist(), strict=True)):
+    for i, (g, s, n) in enumerate(zip(trie.tolist(), starts.tolist(), lengths.tolist(), strict=True)):
         trie, members = tries.setdefault(g, (GroupTrie(), []))
         att = trie.insert(cat[s : s + n])
         parent[i] = members[att.parent] if att.parent >= 0 else -1

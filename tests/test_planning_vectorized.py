@@ -314,21 +314,40 @@ def test_bench_planning_workload_matches_reference():
     )
 
 
-def test_large_groups_take_the_trie_path(monkeypatch):
-    """Rows whose [tries, n, n] array would be too large insert into GroupTrie: the same rows (per group: the
-    reference's; per row, with groups sharing prefixes: the vectorized path's)."""
-    from asyncgrpo_cli.packing import tree_arrays
+def trie_placements(cat, starts, lengths, trie) -> tuple[np.ndarray, np.ndarray]:
+    """(parent, own_from) by inserting each trie's samples into a GroupTrie in row order."""
+    tries: dict[int, tuple[GroupTrie, list[int]]] = {}
+    parent, own_from = np.empty(len(lengths), np.int64), np.empty(len(lengths), np.int64)
+    for i, (g, s, n) in enumerate(zip(trie.tolist(), starts.tolist(), lengths.tolist(), strict=True)):
+        t, members = tries.setdefault(g, (GroupTrie(), []))
+        att = t.insert(cat[s : s + n])
+        parent[i] = members[att.parent] if att.parent >= 0 else -1
+        own_from[i] = att.own_from
+        members.append(i)
+    return parent, own_from
 
-    rng = np.random.default_rng(11)
-    per_group, per_row = PackingConfig(share_across_groups=False), PackingConfig()
-    steps = [
-        random_step(rng, int(rng.integers(1, 60)), extras=True, **SHAPES["dense_forks"]) for _ in range(20)
-    ]
-    vectorized = [TreePacker(per_row).pack(samples) for samples in steps]
-    monkeypatch.setattr(tree_arrays, "MAX_PAIRS", 0)
-    for samples, want in zip(steps, vectorized, strict=True):
-        assert_same(TreePacker(per_group).pack(samples), ref_tree.TreePacker(per_group).pack(samples), "row")
-        assert_same(TreePacker(per_row).pack(samples), want, "row trie")
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_placements_equal_trie_insertion(shape):
+    """The array placements (sorted order, sparse tables) are the tries' own, sample by sample: one trie per
+    group, one per row, one per first token; groups interleaved, sharing across groups by chance."""
+    from asyncgrpo_cli.packing.tree_arrays import placements
+
+    rng = np.random.default_rng(20 + list(SHAPES).index(shape))
+    for _ in range(60):
+        samples = random_step(rng, int(rng.integers(1, 100)), extras=False, **SHAPES[shape])
+        ids = [s.input_ids for s in samples]
+        lengths = np.array([len(x) for x in ids])
+        cat, starts = np.concatenate(ids), np.cumsum(lengths) - lengths
+        first: dict = {}
+        group = np.array([first.setdefault(s.group_id, len(first)) for s in samples], dtype=np.int64)
+        by_token = np.unique(cat[starts], return_inverse=True)[1].reshape(-1).astype(np.int64)
+        for trie, known in ((group, None), (np.zeros_like(group), group), (by_token, group)):
+            got, want = (
+                placements(cat, starts, lengths, trie, known),
+                trie_placements(cat, starts, lengths, trie),
+            )
+            assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
 
 
 def with_system_prompt(samples: list[TrainingSequence], system: np.ndarray) -> list[TrainingSequence]:

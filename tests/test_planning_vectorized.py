@@ -330,7 +330,8 @@ def trie_placements(cat, starts, lengths, trie) -> tuple[np.ndarray, np.ndarray]
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_placements_equal_trie_insertion(shape):
     """The array placements (sorted order, sparse tables) are the tries' own, sample by sample: one trie per
-    group, one per row, one per first token; groups interleaved, sharing across groups by chance."""
+    group, one per row, one per first token, and tries cutting across groups at random; groups interleaved,
+    sharing across groups by chance."""
     from asyncgrpo_cli.packing.tree_arrays import placements
 
     rng = np.random.default_rng(20 + list(SHAPES).index(shape))
@@ -342,7 +343,13 @@ def test_placements_equal_trie_insertion(shape):
         first: dict = {}
         group = np.array([first.setdefault(s.group_id, len(first)) for s in samples], dtype=np.int64)
         by_token = np.unique(cat[starts], return_inverse=True)[1].reshape(-1).astype(np.int64)
-        for trie, known in ((group, None), (np.zeros_like(group), group), (by_token, group)):
+        scattered = np.unique(rng.integers(0, 3, size=len(ids)), return_inverse=True)[1].reshape(-1)
+        for trie, known in (
+            (group, None),
+            (np.zeros_like(group), group),
+            (by_token, group),
+            (scattered, group),
+        ):
             got, want = (
                 placements(cat, starts, lengths, trie, known),
                 trie_placements(cat, starts, lengths, trie),

@@ -70,8 +70,8 @@ def placements(
     """(parent, own_from) int64 [n] of each sample of a row: the row index of the earlier sample whose path it
     shares below ``own_from`` (-1: none), and its first own depth, exactly as inserting each trie's samples in
     row order into a :class:`~asyncgrpo_cli.packing.trie.GroupTrie` gives them. ``trie``: int64 [n], the trie of
-    each sample; ``group``: int64 [n] or None (the tries are the groups): the GRPO groups, numbered 0, 1, ...,
-    whose shared prompts step 2 of the module docstring skips."""
+    each sample (numbered 0, 1, ...); ``group``: int64 [n] (numbered alike) or None (the tries are the groups):
+    the GRPO groups, whose shared prompts step 2 of the module docstring skips."""
     n = lengths.shape[0]
     raw = cat.tobytes()
     keys = [raw[8 * s : 8 * (s + n_)] for s, n_ in zip(starts.tolist(), lengths.tolist(), strict=True)]
@@ -81,11 +81,12 @@ def placements(
     begins = np.flatnonzero(np.concatenate([[True], ~same]))  # first sorted position of each trie
     ends = np.append(begins[1:], n) - 1
     skip = adjacent_lcp(cat, starts, lengths, order[begins], order[ends])[np.cumsum(~same)]
-    if group is not None:  # two samples of one group also share the group's own prefix
+    if group is not None:  # two samples of one group (in one trie) also share the group's own prefix
+        cell = np.unique(trie * (int(group.max()) + 1) + group, return_inverse=True)[1].reshape(-1)
         rank = np.empty(n, dtype=np.int64)
         rank[order] = np.arange(n)
-        own = _group_shared(cat, starts, lengths, group, rank)
-        skip = np.where(group[lo] == group[hi], np.maximum(skip, own[group[hi]]), skip)
+        own = _cell_shared(cat, starts, lengths, cell, rank)
+        skip = np.where(cell[lo] == cell[hi], np.maximum(skip, own[cell[hi]]), skip)
     pairs = np.flatnonzero(same)
     adj = np.zeros(n, dtype=np.int64)  # adj[p]: LCP of sorted p - 1 and p (0 at p = 0 and across tries)
     adj[pairs + 1] = adjacent_lcp(cat, starts, lengths, lo[pairs], hi[pairs], skip[pairs])
@@ -158,14 +159,14 @@ class _SparseMin:
         return cur
 
 
-def _group_shared(
-    cat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, group: np.ndarray, rank: np.ndarray
+def _cell_shared(
+    cat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, cell: np.ndarray, rank: np.ndarray
 ) -> np.ndarray:
-    """int64 [groups]: the LCP of each group's first and last sample in sort order (``rank``: each sample's
-    position in it). Every sample of the group sorts between the two, so any two of them share that prefix (a
-    group spread over several tries: 0, its samples differ in their first token)."""
-    by = np.lexsort((rank, group))
-    sizes = np.bincount(group)
+    """int64 [cells]: the LCP of the first and last sample of each cell (the samples of one group in one trie,
+    numbered 0, 1, ...) in sort order (``rank``: each sample's position in it). Every sample of the cell sorts
+    between the two, so any two of them share that prefix."""
+    by = np.lexsort((rank, cell))
+    sizes = np.bincount(cell)
     first = np.cumsum(sizes) - sizes
     return adjacent_lcp(cat, starts, lengths, by[first], by[first + sizes - 1])
 

@@ -55,7 +55,7 @@ def trie_key(ids: Any) -> bytes:
 
 
 class Attachment(NamedTuple):
-    """Where a new sample goes in a group trie, and what it adds (a named tuple: built once per probe, and a
+    """Where a new sample goes in a trie, and what it adds (a named tuple: built once per probe, and a
     frozen dataclass costs ~1 us to build).
 
     ``parent``: the earlier sample (group-local index) whose path it shares below ``own_from`` (-1: none).

@@ -83,10 +83,11 @@ def placements(
     skip = adjacent_lcp(cat, starts, lengths, order[begins], order[ends])[np.cumsum(~same)]
     if group is not None:  # two samples of one group (in one trie) also share the group's own prefix
         cell = np.unique(trie * (int(group.max()) + 1) + group, return_inverse=True)[1].reshape(-1)
-        rank = np.empty(n, dtype=np.int64)
-        rank[order] = np.arange(n)
-        own = _cell_shared(cat, starts, lengths, cell, rank)
-        skip = np.where(cell[lo] == cell[hi], np.maximum(skip, own[cell[hi]]), skip)
+        if int(cell.max()) > int(trie.max()):  # some trie holds several groups (else: known already)
+            rank = np.empty(n, dtype=np.int64)
+            rank[order] = np.arange(n)
+            own = _cell_shared(cat, starts, lengths, cell, rank)
+            skip = np.where(cell[lo] == cell[hi], np.maximum(skip, own[cell[hi]]), skip)
     pairs = np.flatnonzero(same)
     adj = np.zeros(n, dtype=np.int64)  # adj[p]: LCP of sorted p - 1 and p (0 at p = 0 and across tries)
     adj[pairs + 1] = adjacent_lcp(cat, starts, lengths, lo[pairs], hi[pairs], skip[pairs])

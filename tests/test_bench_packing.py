@@ -66,12 +66,38 @@ def test_bench_packing_runs_the_tiny_hybrid_through_load_policy(tmp_path, one_to
     assert tree["attention_pairs"] < seq["attention_pairs"] and 1 < r["flop_bound"] < r["ratio"]
 
 
+def test_bench_packing_shared_system_prompt(tmp_path, one_torch_thread, capsys):
+    """The shared-system-prompt case: 6 groups of 4 under one 100-token system prompt, three packings of the
+    same samples in one table row; one trie per row forwards the system prompt once per row, one per group
+    once per group of the row, sequence once per sample."""
+    from asyncgrpo_cli.bench.packing import main
+
+    out = tmp_path / "system.json"
+    argv = ["system_len=100", "question_len=6", "groups=6", "group_size=4", "completion_len=12"]
+    main([*argv, "token_budget=400", "steps=1", "warmup=0", f"out={out}"])
+    table = capsys.readouterr().out
+    assert (
+        "a 100-token system prompt shared by 6 groups" in table and "| tiny | 6 x 4 x (100+6+12) |" in table
+    )
+    (r,) = json.loads(out.read_text())["results"]
+    tree, per_group, seq = r["tree"], r["tree_per_group"], r["sequence"]
+    assert tree["sample_tokens"] == per_group["sample_tokens"] == seq["forwarded_tokens"] == 24 * 118
+    assert tree["trained_tokens"] == per_group["trained_tokens"] == seq["trained_tokens"] == 24 * 12
+    assert tree["system_copies_per_row"] == [1.0] * len(tree["forwarded_per_row"])
+    groups_per_row = [round(c) for c in per_group["system_copies_per_row"]]
+    assert sum(groups_per_row) == 6 and max(groups_per_row) > 1  # groups of one row each forward it
+    assert sum(seq["system_copies_per_row"]) == 24
+    assert sum(tree["forwarded_per_row"]) == tree["forwarded_tokens"] < per_group["forwarded_tokens"]
+    assert tree["flop_bound"] > per_group["flop_bound"] > 1 and tree["speedup"] > 0
+
+
 def test_bench_packing_options():
     opts = parse_options(["shapes=0.6b,tiny", "ratios=1,3.4", "token_budget=4096", "out=x.json"])
     assert opts.shapes == ["0.6b", "tiny"] and opts.ratios == [1.0, 3.4] and opts.token_budget == 4096
     assert opts.out == "x.json" and opts.rows == Options().rows
     with pytest.raises(UserError, match="KEY in shapes, ratios, token_budget"):
         parse_options(["budget=4096"])
+    assert parse_options(["system_len=1024", "groups=16"]).system_len == 1024
     with pytest.raises(UserError, match="steps='two'"):
         parse_options(["steps=two"])
     with pytest.raises(UserError, match="ratio 8.0 needs 1 <= ratio < group_size .8."):

@@ -62,6 +62,35 @@ def branching_samples(seed: int = 0) -> list[TrainingSequence]:
     return out
 
 
+def cross_group_samples(seed: int = 0) -> list[TrainingSequence]:
+    """Groups of one row sharing prefixes across groups, interleaved: a 70-token system prompt (past one chunk)
+    before groups 0 and 1's questions; group 2 shares only its first 66 tokens (a fork two tokens past the first
+    chunk, inside the conv window); group 3's whole prompt is a prefix of group 0's; group 4's prompt is group
+    0's (one completion identical to one of group 0's); group 5 is multi-turn, trained turns around an untrained
+    tool reply."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, VOCAB, 70).tolist()
+    prompts = {
+        0: system + rng.integers(0, VOCAB, 6).tolist(),
+        1: system + rng.integers(0, VOCAB, 2).tolist(),
+        2: system[:66] + rng.integers(0, VOCAB, 5).tolist(),
+    }
+    prompts[3] = prompts[0][:73]
+    prompts[4] = list(prompts[0])
+    common = rng.integers(0, VOCAB, 8).tolist()
+    out = []
+    for g, prompt in prompts.items():
+        for i in range(2):
+            comp = common if (g in (0, 4) and i == 0) else rng.integers(0, VOCAB, 5 + 7 * i).tolist()
+            out.append(sample(prompt + comp, len(prompt), adv=float(rng.normal()), group=g))
+    turn1, tool = rng.integers(0, VOCAB, 6).tolist(), rng.integers(0, VOCAB, 3).tolist()
+    for i in range(2):
+        s = sample(system + turn1 + tool + rng.integers(0, VOCAB, 4 + i).tolist(), 70, adv=0.5 - i, group=5)
+        s.train_mask[76:79] = False  # the tool reply is context
+        out.append(s)
+    return [out[i] for i in rng.permutation(len(out))]
+
+
 @pytest.fixture(scope="module")
 def hybrid_dir():
     return resolve_model_path("builtin:tiny-qwen3.5")
@@ -224,6 +253,24 @@ def test_tiny_hybrid_packed_equals_unpacked_fp32(hybrid_dir, kind):
     # carry ~5e-6 of fp32 rounding on the unpacked side as well (measured against a float64 recurrence), which
     # is most of a gradient as small as 5e-6 (the float64 test below is the tight one)
     for name, want in want_grads.items():
+        err = float((got_grads[name] - want).abs().max())
+        assert err <= 1e-3 * float(want.abs().max()) + 1e-5, (name, err, float(want.abs().max()))
+
+
+def test_tiny_hybrid_cross_group_tree_equals_unpacked_fp32(hybrid_dir):
+    """Groups sharing a system prompt (and parts of it, a prompt prefix, identical prompts, multi-turn) in one
+    row trie: the recurrence plan from the row's DFS intervals treats every path apart, as for one group."""
+    samples = cross_group_samples()
+    model = load(hybrid_dir)
+    want_lp, want_grads = unpacked(model, samples)
+    got_lp, got_grads, row = packed(model, samples, PACKERS["tree"]())
+    per_group = TreePacker(PackingConfig(share_across_groups=False)).pack(samples)
+    assert row.num_forwarded <= per_group.num_forwarded - 4 * 65  # the system prompt once, not once per group
+    assert (got_lp - want_lp).abs().max() < 2e-5
+    for (
+        name,
+        want,
+    ) in want_grads.items():  # the fp32 tolerance of test_tiny_hybrid_packed_equals_unpacked_fp32
         err = float((got_grads[name] - want).abs().max())
         assert err <= 1e-3 * float(want.abs().max()) + 1e-5, (name, err, float(want.abs().max()))
 

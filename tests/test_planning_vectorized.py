@@ -6,6 +6,12 @@ tiny vocabulary, multi-turn train masks, samples with nothing trained, samples l
 and ragged extras, candidate sets, teacher top-k) both sides plan the same stream and pack every row; every
 micro-batch (rows, per-row stats, fillers) and every field of every packed row (values and dtypes, extras
 included, in order) must be equal.
+
+The reference has one trie per group. It is matched exactly by ``packing.share_across_groups=false`` on every
+step, and by the default (one trie per row) on steps where no two groups share a first token. Rows that do share
+across groups are checked against the reference with all their samples in one group when the row has a single
+root (then the one-trie-per-group layout of that group is the row's layout), and the vectorized placements
+against inserting into one row trie.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from asyncgrpo_cli.packing.attention import segment_leave
 from asyncgrpo_cli.packing.planner import FixedCountPlanner, TokenBudgetPlanner
 from asyncgrpo_cli.packing.sequence import SequencePacker
 from asyncgrpo_cli.packing.tree import TreePacker
-from asyncgrpo_cli.packing.tree_planner import TreeBudgetPlanner
+from asyncgrpo_cli.packing.tree_planner import GroupTreeBudgetPlanner, TreeBudgetPlanner
 from asyncgrpo_cli.packing.trie import GroupTrie
 from asyncgrpo_cli.samples import SAMPLER_TOPK, CandidateSets, TeacherTopK, TopK, TrainingSequence
 from tests.helpers.packing_reference import attention as ref_attention
@@ -32,13 +38,25 @@ from tests.helpers.packing_reference import tree_planner as ref_tree_planner
 from tests.helpers.packing_reference import trie as ref_trie
 
 
-def random_step(rng: np.random.Generator, n: int, *, vocab: int, prompt: int, completion: int, extras: bool):
-    """``n`` samples in groups of 1-16 (group order sometimes interleaved) with every edge case of the docstring."""
+def random_step(
+    rng: np.random.Generator,
+    n: int,
+    *,
+    vocab: int,
+    prompt: int,
+    completion: int,
+    extras: bool,
+    own_first_token: bool = False,
+):
+    """``n`` samples in groups of 1-16 (group order sometimes interleaved) with every edge case of the docstring;
+    ``own_first_token``: every group's prompt starts with a token no other group uses (no cross-group sharing)."""
     out, group = [], 0
     while len(out) < n:
         g = int(rng.integers(1, 17))
         p = int(rng.integers(1, prompt + 1))
         head = rng.integers(0, vocab, size=p)
+        if own_first_token:
+            head[0] = vocab + group
         done: list[np.ndarray] = []
         for _ in range(min(g, n - len(out))):
             c = int(rng.integers(0, completion + 1))
@@ -172,20 +190,27 @@ SHAPES = {
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("ranks", [1, 3])
-def test_token_budget_planners_and_packers_match_reference(shape, ranks):
+@pytest.mark.parametrize("share", [False, True], ids=["per_group", "no_cross_group_prefix"])
+def test_token_budget_planners_and_packers_match_reference(shape, ranks, share):
+    """One trie per group: every step. One trie per row (the default): steps without cross-group sharing."""
     rng = np.random.default_rng(10 * list(SHAPES).index(shape) + ranks)
-    cfg = PackingConfig(kind="tree")
+    cfg = PackingConfig(kind="tree", share_across_groups=share)
+    planner_cls = TreeBudgetPlanner if share else GroupTreeBudgetPlanner
     compared = 0
     for trial in range(12):
-        samples = random_step(rng, int(rng.integers(1, 120)), extras=trial % 3 != 2, **SHAPES[shape])
+        samples = random_step(
+            rng, int(rng.integers(1, 120)), extras=trial % 3 != 2, own_first_token=share, **SHAPES[shape]
+        )
         budget = int(rng.choice([8, 64, 300, 4096]))
         compared += check_step(
             samples,
-            TreeBudgetPlanner(budget, ranks),
+            planner_cls(budget, ranks),
             ref_tree_planner.TreeBudgetPlanner(budget, ranks),
             TreePacker(cfg),
             ref_tree.TreePacker(cfg),
         )
+        if share:
+            continue  # the sequence side does not depend on it
         compared += check_step(
             samples,
             TokenBudgetPlanner(budget, ranks),
@@ -201,7 +226,9 @@ def test_fixed_count_planner_matches_reference(ranks):
     rng = np.random.default_rng(ranks)
     cfg = PackingConfig(kind="tree")
     for _ in range(10):
-        samples = random_step(rng, int(rng.integers(1, 90)), extras=True, **SHAPES["grpo"])
+        samples = random_step(
+            rng, int(rng.integers(1, 90)), extras=True, own_first_token=True, **SHAPES["grpo"]
+        )
         per_row = int(rng.integers(1, 20))
         for new_packer, ref_packer in (
             (TreePacker(cfg), ref_tree.TreePacker(cfg)),
@@ -287,21 +314,105 @@ def test_bench_planning_workload_matches_reference():
     )
 
 
-def test_large_groups_take_the_trie_path(monkeypatch):
-    """Rows whose [groups, G, G] array would be too large insert into GroupTrie: the same rows."""
-    from asyncgrpo_cli.packing import tree_arrays
+def trie_placements(cat, starts, lengths, trie) -> tuple[np.ndarray, np.ndarray]:
+    """(parent, own_from) by inserting each trie's samples into a GroupTrie in row order."""
+    tries: dict[int, tuple[GroupTrie, list[int]]] = {}
+    parent, own_from = np.empty(len(lengths), np.int64), np.empty(len(lengths), np.int64)
+    for i, (g, s, n) in enumerate(zip(trie.tolist(), starts.tolist(), lengths.tolist(), strict=True)):
+        t, members = tries.setdefault(g, (GroupTrie(), []))
+        att = t.insert(cat[s : s + n])
+        parent[i] = members[att.parent] if att.parent >= 0 else -1
+        own_from[i] = att.own_from
+        members.append(i)
+    return parent, own_from
 
-    monkeypatch.setattr(tree_arrays, "MAX_PAIRS", 0)
-    rng = np.random.default_rng(11)
-    cfg = PackingConfig(kind="tree")
-    for _ in range(20):
-        samples = random_step(rng, int(rng.integers(1, 60)), extras=True, **SHAPES["dense_forks"])
-        assert_same(TreePacker(cfg).pack(samples), ref_tree.TreePacker(cfg).pack(samples), "row")
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_placements_equal_trie_insertion(shape):
+    """The array placements (sorted order, sparse tables) are the tries' own, sample by sample: one trie per
+    group, one per row, one per first token, and tries cutting across groups at random; groups interleaved,
+    sharing across groups by chance."""
+    from asyncgrpo_cli.packing.tree_arrays import placements
+
+    rng = np.random.default_rng(20 + list(SHAPES).index(shape))
+    for _ in range(60):
+        samples = random_step(rng, int(rng.integers(1, 100)), extras=False, **SHAPES[shape])
+        ids = [s.input_ids for s in samples]
+        lengths = np.array([len(x) for x in ids])
+        cat, starts = np.concatenate(ids), np.cumsum(lengths) - lengths
+        first: dict = {}
+        group = np.array([first.setdefault(s.group_id, len(first)) for s in samples], dtype=np.int64)
+        by_token = np.unique(cat[starts], return_inverse=True)[1].reshape(-1).astype(np.int64)
+        scattered = np.unique(rng.integers(0, 3, size=len(ids)), return_inverse=True)[1].reshape(-1)
+        for trie, known in (
+            (group, None),
+            (np.zeros_like(group), group),
+            (by_token, group),
+            (scattered, group),
+        ):
+            got, want = (
+                placements(cat, starts, lengths, trie, known),
+                trie_placements(cat, starts, lengths, trie),
+            )
+            assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+def with_system_prompt(samples: list[TrainingSequence], system: np.ndarray) -> list[TrainingSequence]:
+    """Each sample with ``system`` (untrained) before its ids: every group's prompt now starts with it."""
+    k = system.shape[0]
+    return [
+        replace(
+            s,
+            input_ids=np.concatenate([system, s.input_ids]),
+            train_mask=np.concatenate([np.zeros(k, bool), s.train_mask]),
+            sampler_logprobs=np.concatenate([np.zeros(k, np.float32), s.sampler_logprobs]),
+        )
+        for s in samples
+    ]
+
+
+def one_group(samples: list[TrainingSequence]) -> list[TrainingSequence]:
+    return [replace(s, group_id=-1, prompt_seq=-1) for s in samples]
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_rows_sharing_across_groups_equal_the_reference_as_one_group(shape, ranks):
+    """A system prompt before every group's prompt (1 to 40 tokens; the groups' own prompts then share parts or
+    all of theirs by chance on the small vocabularies, some are identical, some a prefix of another's): each
+    planned row has one root, and its packed row equals the reference's with the row's samples in one group
+    (one trie over the row), field by field. The planner's counts are the packed row's, and each row forwards
+    the system prompt's first tokens once, not once per group."""
+    rng = np.random.default_rng(100 + 10 * list(SHAPES).index(shape) + ranks)
+    packer, ref = TreePacker(PackingConfig()), ref_tree.TreePacker(PackingConfig())
+    compared = shared_rows = 0
+    for trial in range(10):
+        k = int(rng.choice([1, 3, 40]))
+        system = rng.integers(0, SHAPES[shape]["vocab"], size=k)
+        samples = with_system_prompt(
+            random_step(rng, int(rng.integers(1, 120)), extras=trial % 3 != 2, **SHAPES[shape]), system
+        )
+        budget = int(rng.choice([64, 300, 4096]))
+        batches, _ = plan_all(TreeBudgetPlanner(budget, ranks), samples)
+        for mb in batches:
+            for r, row in enumerate(mb.rows):
+                packed = packer.pack(row)
+                assert_same(packed, ref.pack(one_group(row)), f"row {r}")
+                assert packed.num_forwarded == mb.tokens_per_row[r]
+                assert (
+                    int((packed.leave - torch.arange(packed.num_forwarded)).sum()) == mb.attn_cost_per_row[r]
+                )
+                groups = len({(s.group_id, s.prompt_seq) for s in row})
+                per_group = TreePacker(PackingConfig(share_across_groups=False)).pack(row)
+                assert per_group.num_forwarded - packed.num_forwarded >= (groups - 1) * (k - 1)
+                shared_rows += groups > 1
+                compared += 1
+    assert compared > 20 and shared_rows > 5
 
 
 def _bad_rows(rng):
     """Rows the packers refuse: (description, samples)."""
-    good = random_step(rng, 6, extras=True, vocab=50, prompt=6, completion=6)
+    good = random_step(rng, 6, extras=True, vocab=50, prompt=6, completion=6, own_first_token=True)
     s = good[3]
     yield "token 0 trained", [*good[:3], replace(s, train_mask=np.ones(len(s), dtype=bool))]
     negative = s.input_ids.copy()

@@ -23,19 +23,23 @@ from asyncgrpo_cli.packing.attention import (
 from asyncgrpo_cli.packing.planner import TokenBudgetPlanner
 from asyncgrpo_cli.packing.sequence import SequencePacker
 from asyncgrpo_cli.packing.tree import TreePacker, TreeRow, tree_layout
-from asyncgrpo_cli.packing.tree_planner import TreeBudgetPlanner
+from asyncgrpo_cli.packing.tree_planner import GroupTreeBudgetPlanner, TreeBudgetPlanner
 from asyncgrpo_cli.packing.trie import GroupTrie
 from asyncgrpo_cli.samples import SAMPLER_TOPK, TopK, TrainingSequence
 
 NEG_INF = float("-inf")
 
 
-def sample(ids, trained_from: int | None = None, adv: float = 0.0, group: int = 0, k: int = 0, rng=None):
-    """A sample training tokens [trained_from, L) (none when None); top-k rows of width k when k > 0."""
+def sample(
+    ids, trained_from: int | None = None, adv: float = 0.0, group: int = 0, k: int = 0, rng=None, mask=None
+):
+    """A sample training tokens [trained_from, L) (none when None; or the bool ``mask``); top-k rows of width k
+    when k > 0."""
     ids = np.asarray(ids, dtype=np.int64)
-    mask = np.zeros(ids.shape[0], dtype=bool)
-    if trained_from is not None:
-        mask[trained_from:] = True
+    if mask is None:
+        mask = np.zeros(ids.shape[0], dtype=bool)
+        if trained_from is not None:
+            mask[trained_from:] = True
     n = int(mask.sum())
     rng = rng or np.random.default_rng(0)
     topk_ids = topk_lps = None
@@ -54,8 +58,8 @@ def sample(ids, trained_from: int | None = None, adv: float = 0.0, group: int = 
     )
 
 
-def pack(samples) -> TreeRow:
-    return TreePacker(PackingConfig(kind="tree")).pack(samples)
+def pack(samples, share_across_groups: bool = True) -> TreeRow:
+    return TreePacker(PackingConfig(kind="tree", share_across_groups=share_across_groups)).pack(samples)
 
 
 # ---------------------------------------------------------------- exact layouts
@@ -122,13 +126,43 @@ def test_fork_layout_by_hand():
     ]
 
 
-def test_groups_never_share_and_no_sharing_degenerates_to_sequence_packing():
+def test_groups_share_a_common_prefix_unless_per_group():
+    """By default groups in one row share the prefix their samples have in common, as one group's samples do;
+    per group (``share_across_groups=false``) they never share, and with nothing shared inside a group either,
+    the row is the sequence-packed one."""
     xs = [[4, 5, 6], [4, 5, 7, 8], [9, 9]]
-    tree = pack([sample(x, trained_from=1, group=g) for g, x in enumerate(xs)])
-    seq = SequencePacker(PackingConfig()).pack([sample(x, trained_from=1, group=g) for g, x in enumerate(xs)])
+    samples = [sample(x, trained_from=1, group=g) for g, x in enumerate(xs)]
+    tree = pack(samples)
+    assert tree.input_ids.tolist() == [[4, 5, 6, 5, 7, 8, 9, 9]]  # [4 5] once, 5 heads each branch
+    assert tree.position_ids.tolist() == [[0, 1, 2, 1, 2, 3, 0, 1]]
+    assert tree.pred_index.tolist() == [0, 1, 0, 3, 4, 6] and tree.num_forwarded == 8
+    per_group = pack(samples, share_across_groups=False)
+    seq = SequencePacker(PackingConfig()).pack(samples)
     for name in ("input_ids", "position_ids", "attention_mask", "pred_index", "target_ids", "sample_index"):
-        assert torch.equal(getattr(tree, name), getattr(seq, name)), name
-    assert tree.num_forwarded == tree.num_unpacked == seq.num_forwarded == 9
+        assert torch.equal(getattr(per_group, name), getattr(seq, name)), name
+    assert per_group.num_forwarded == per_group.num_unpacked == seq.num_forwarded == 9
+
+
+def test_shared_system_prompt_is_forwarded_once_per_row():
+    """k groups of G rollouts: S-token system prompt, Q-token question, C-token completions (distinct first
+    tokens everywhere): the row forwards S - 1 + k Q + k G (C + 1) tokens, one group trie each k (S + Q - 1 +
+    G (C + 1)); the planner charges the same."""
+    S, Q, C, G, k = 50, 6, 4, 3, 4
+    system = np.arange(1000, 1000 + S)
+    samples = [
+        sample(
+            np.concatenate([system, 2000 + 10 * g + np.arange(Q), 3000 + 10 * (G * g + i) + np.arange(C)]),
+            S + Q,
+            group=g,
+        )
+        for g in range(k)
+        for i in range(G)
+    ]
+    assert pack(samples).num_forwarded == S - 1 + k * Q + k * G * (C + 1)
+    assert pack(samples, share_across_groups=False).num_forwarded == k * (S + Q - 1 + G * (C + 1))
+    planner = TreeBudgetPlanner(10_000, 1)
+    assert all(planner.add(s) is None for s in samples)
+    assert planner.flush().tokens_per_row.tolist() == [S - 1 + k * Q + k * G * (C + 1)]
 
 
 def test_shared_prompt_counts_once():
@@ -156,6 +190,7 @@ def test_row_moves_with_its_tree_and_rejects_bad_input():
 
 def test_packers_name_their_planners():
     assert planner_for(TreePacker(PackingConfig())) is TreeBudgetPlanner
+    assert planner_for(TreePacker(PackingConfig(share_across_groups=False))) is GroupTreeBudgetPlanner
     assert planner_for(SequencePacker(PackingConfig())) is TokenBudgetPlanner
     with pytest.raises(UserError, match="declares no planner"):
         planner_for(object())
@@ -223,15 +258,16 @@ def random_forest(rng, vocab: int, num_groups: int = 4, max_samples: int = 6, k:
     return [out[i] for i in order]
 
 
-def brute_force_forwarded(samples) -> int:
-    """Σ over trie nodes of max(1, distinct next tokens), with one dict-of-tuples trie per group."""
+def brute_force_forwarded(samples, share_across_groups: bool = True) -> int:
+    """Σ over trie nodes of max(1, distinct next tokens), with one dict-of-tuples trie per row (or per group)."""
     nexts: dict[tuple, set] = defaultdict(set)
     for s in samples:
         x = tuple(s.input_ids.tolist())
+        trie = None if share_across_groups else s.group_id
         for d in range(len(x)):
-            nexts[(s.group_id, x[: d + 1])]
+            nexts[(trie, x[: d + 1])]
             if d + 1 < len(x):
-                nexts[(s.group_id, x[: d + 1])].add(x[d + 1])
+                nexts[(trie, x[: d + 1])].add(x[d + 1])
     return sum(max(1, len(n)) for n in nexts.values())
 
 
@@ -246,13 +282,15 @@ def path_to(offsets: np.ndarray, parents: np.ndarray, t: int) -> np.ndarray:
     return np.concatenate(parts[::-1])
 
 
+@pytest.mark.parametrize("share", [True, False], ids=["row_trie", "group_tries"])
 @pytest.mark.parametrize("vocab", [3, 50], ids=["dense_forks", "sparse_forks"])
-def test_random_layout_properties(vocab):
+def test_random_layout_properties(vocab, share):
+    """Groups' prompts come from the same small vocabularies: one trie per row shares across groups."""
     rng = np.random.default_rng(vocab)
     for _ in range(60):
         samples = random_forest(rng, vocab)
-        lay = tree_layout(samples)
-        row = pack(samples)
+        lay = tree_layout(samples, share)
+        row = pack(samples, share)
         offsets, parents, T = lay.segment_offsets, lay.segment_parents, lay.num_tokens
         mask = row.attention_mask[0, 0].numpy()
         # Each sample is its root-to-leaf path: right tokens, depths, and exactly that visibility.
@@ -278,11 +316,11 @@ def test_random_layout_properties(vocab):
         # Segments are maximal unary chains: they end at a fork (>= 2 child segments) or a leaf.
         assert (child_count != 1).all()
         # Shared prefixes counted once; the planner's trie accounting is exactly what the row forwards.
-        assert row.num_forwarded == T == brute_force_forwarded(samples)
+        assert row.num_forwarded == T == brute_force_forwarded(samples, share)
         assert row.num_unpacked == sum(len(s) for s in samples)
         tries: dict = defaultdict(GroupTrie)
         for s in samples:
-            tries[s.group_id].insert(s.input_ids)
+            tries[None if share else s.group_id].insert(s.input_ids)
         assert sum(t.num_tokens for t in tries.values()) == T
         assert sum(t.num_pairs for t in tries.values()) == int(mask.sum())
         # Loss terms: predecessor positions in each sample's own path.
@@ -391,6 +429,57 @@ def test_qwen3_tree_equals_unpacked(qwen3, seed):
 def test_llama_tree_equals_unpacked(llama, seed):
     assert not llama.config.tie_word_embeddings
     assert_tree_equals_unpacked(llama, model_forest(seed, llama.config.vocab_size))
+
+
+def cross_group_samples(seed: int, vocab: int) -> list[TrainingSequence]:
+    """Groups of one row sharing prefixes across groups, interleaved: a 16-token system prompt before group 0's
+    and group 1's questions; group 2 shares only its first 7 tokens; group 3's whole prompt is a prefix of
+    group 0's; group 4's prompt is identical to group 0's (one completion identical to one of group 0's, so
+    two groups' samples end on one leaf); group 5 is multi-turn (trained turns with an untrained tool reply
+    between them), its second turn forking inside another sample's first; group 6 shares nothing."""
+    rng = np.random.default_rng(seed)
+
+    def toks(n: int) -> np.ndarray:
+        return rng.integers(0, vocab, size=n)
+
+    system = toks(16)
+    prompts = {
+        0: np.concatenate([system, toks(5)]),
+        1: np.concatenate([system, toks(3)]),
+        2: np.concatenate([system[:7], toks(6)]),
+        6: toks(9),
+    }
+    prompts[3] = prompts[0][:18]
+    prompts[4] = prompts[0].copy()
+    out, shared_completion = [], toks(6)
+    for g, prompt in prompts.items():
+        for i in range(3):
+            comp = shared_completion if (g in (0, 4) and i == 0) else toks(3 + i)
+            ids = np.concatenate([prompt, comp])
+            out.append(sample(ids, len(prompt), adv=float(rng.normal()), group=g, k=3, rng=rng))
+    turn1, tool = toks(5), toks(4)
+    for i in range(3):
+        turn2 = toks(4 + i)
+        ids = np.concatenate([system, turn1, tool, turn2])
+        mask = np.zeros(ids.shape[0], dtype=bool)
+        mask[16 : 16 + 5] = True
+        mask[25:] = True
+        out.append(sample(ids, adv=float(rng.normal()), group=5, k=3, rng=rng, mask=mask))
+    out.append(sample(np.concatenate([system, turn1[:3], toks(4)]), 16, adv=0.3, group=5, k=3, rng=rng))
+    return [out[i] for i in rng.permutation(len(out))]
+
+
+@pytest.mark.parametrize("model_name", ["qwen3", "llama"])
+def test_cross_group_sharing_equals_unpacked(model_name, request):
+    """Rows whose groups share prompt prefixes (a system prompt, part of one, a prompt that is a prefix of
+    another's, identical prompts, multi-turn): log-probs, entropies, top-k and gradients equal unpacked forwards,
+    and the row forwards fewer tokens than one trie per group."""
+    model = request.getfixturevalue(model_name)
+    if model_name == "qwen3":
+        model.activation_checkpointing_disable()
+    samples = cross_group_samples(3, model.config.vocab_size)
+    assert pack(samples).num_forwarded < pack(samples, share_across_groups=False).num_forwarded
+    assert_tree_equals_unpacked(model, samples)
 
 
 def test_worked_example_on_qwen3_with_grad_checkpointing(qwen3):

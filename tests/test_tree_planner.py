@@ -11,7 +11,7 @@ import pytest
 from asyncgrpo_cli.config.schema import PackingConfig
 from asyncgrpo_cli.packing.planner import MicroBatch
 from asyncgrpo_cli.packing.tree import TreePacker
-from asyncgrpo_cli.packing.tree_planner import TreeBudgetPlanner
+from asyncgrpo_cli.packing.tree_planner import GroupTreeBudgetPlanner, TreeBudgetPlanner
 from asyncgrpo_cli.samples import TrainingSequence
 
 
@@ -92,7 +92,7 @@ def test_group_closes_the_microbatch_rather_than_overload_a_row():
     planner = TreeBudgetPlanner(token_budget=60, num_ranks=2)
     for b in range(3):  # rank 0: 20 + 16 + 16 = 52 tokens, cost 210 + 200 + 200 = 610 pairs
         planner.add(rollout(5, 15, 0, b))
-    planner.add(seq(np.arange(30), group=1))  # a new group goes to the cheaper rank 1: cost 465
+    planner.add(seq(50_000 + np.arange(30), group=1))  # a new group goes to the cheaper rank 1: cost 465
     # Group 0's home row is full; rank 1 fits 20 more tokens, but its cost would become 675 > 610: close.
     mb = planner.add(rollout(5, 15, 0, 3))
     assert mb is not None and groups_of(mb) == [{0}, {1}] and mb.samples_per_row.tolist() == [3, 1]
@@ -117,6 +117,50 @@ def test_new_groups_balance_attention_cost():
     (mb,) = run(TreeBudgetPlanner(token_budget=1000, num_ranks=2), samples)
     assert groups_of(mb) == [{0, 2, 9}, {1, 3}]
     assert mb.row_imbalance < 1.1
+
+
+def system_rollout(system: np.ndarray, question: int, completion: int, group: int, branch: int):
+    """Group ``group``'s rollout ``branch`` under a shared system prompt: system + a ``question``-token question
+    of its own + a completion unique to the branch (distinct first tokens everywhere)."""
+    q = 20_000 + 100 * group + np.arange(question)
+    tail = 200_000 + 1000 * group + 100 * branch + np.arange(completion)
+    return seq(np.concatenate([system, q, tail]), group, completion)
+
+
+def test_new_group_joins_the_row_that_holds_its_prefix():
+    """Rule 3 compares the cost *after* adding: the row whose group shares the newcomer's 40-token system prompt
+    wins although it is the more loaded one; with one trie per group the less loaded row wins, as before."""
+    system = np.arange(40)
+    stream = [system_rollout(system, 5, 5, 0, b) for b in range(2)]  # rank 0: 1275 + 285 = 1560 pairs
+    stream.append(seq(60_000 + np.arange(55), group=1))  # rank 1: 1540 pairs
+    newcomer = system_rollout(system, 3, 5, 2, 0)  # 48 tokens: 1176 pairs alone, 396 below the system prompt
+    for cls, rows, costs in (
+        (TreeBudgetPlanner, [{0, 2}, {1}], [1560 + 396, 1540]),
+        (GroupTreeBudgetPlanner, [{0}, {1, 2}], [1560, 1540 + 1176]),
+    ):
+        planner = cls(token_budget=1000, num_ranks=2)
+        assert all(planner.add(s) is None for s in [*stream, newcomer])
+        mb = planner.flush()
+        assert groups_of(mb) == rows and mb.attn_cost_per_row.tolist() == costs
+        for r, row in enumerate(mb.rows):
+            packed = TreePacker(PackingConfig(share_across_groups=cls.share_across_groups)).pack(row)
+            assert packed.num_forwarded == mb.tokens_per_row[r]
+            assert int(packed.attention_mask.sum()) == mb.attn_cost_per_row[r]
+
+
+def test_shared_system_prompt_once_per_row_and_rows_balanced():
+    """8 groups of 4 rollouts under one 64-token system prompt on 2 ranks: the groups alternate between the rows
+    (balanced), and each row forwards the system prompt once: S - 1 + k Q + k G (C + 1) tokens for its k = 4
+    groups, against k (S + Q - 1 + G (C + 1)) with one trie per group."""
+    S, Q, C, G, k = 64, 4, 16, 4, 4
+    system = np.arange(S)
+    stream = [system_rollout(system, Q, C, g, b) for g in range(2 * k) for b in range(G)]
+    (mb,) = run(TreeBudgetPlanner(token_budget=4096, num_ranks=2), stream)
+    assert groups_of(mb) == [{0, 2, 4, 6}, {1, 3, 5, 7}]
+    assert mb.tokens_per_row.tolist() == [S - 1 + k * Q + k * G * (C + 1)] * 2
+    (per_group,) = run(GroupTreeBudgetPlanner(token_budget=4096, num_ranks=2), stream)
+    assert per_group.tokens_per_row.tolist() == [k * (S + Q - 1 + G * (C + 1))] * 2
+    assert mb.attn_cost_per_row.sum() < per_group.attn_cost_per_row.sum()
 
 
 def test_oversize_dropped_and_counted(caplog):
@@ -166,14 +210,16 @@ def random_stream(rng, num_groups: int, group_size: int, max_prompt: int, max_co
     return out
 
 
+@pytest.mark.parametrize("share", [True, False], ids=["row_trie", "group_tries"])
 @pytest.mark.parametrize("num_ranks", [1, 2, 4])
-def test_random_streams_keep_every_invariant(num_ranks):
+def test_random_streams_keep_every_invariant(num_ranks, share):
+    """Prompts over 50 tokens: groups share first tokens and longer stretches across groups by chance."""
     rng = np.random.default_rng(num_ranks)
-    packer = TreePacker(PackingConfig())
+    packer = TreePacker(PackingConfig(share_across_groups=share))
     for _ in range(15):
         budget = int(rng.integers(30, 200))
         samples = random_stream(rng, num_groups=6, group_size=6, max_prompt=40, max_completion=30)
-        planner = TreeBudgetPlanner(budget, num_ranks)
+        planner = (TreeBudgetPlanner if share else GroupTreeBudgetPlanner)(budget, num_ranks)
         mbs = run(planner, samples)
         kept = [s for s in samples if len(s) <= budget]
         assert planner.dropped_oversize_count == len(samples) - len(kept)

@@ -24,9 +24,21 @@ Reported per shape and ratio, tree and sequence side by side:
   - peak GiB: ``torch.cuda.max_memory_allocated`` over the timed steps;
   - plan+pack %: planning and packing (CPU time on the step's critical path) as a share of the step.
 Warm-up steps (one compilation per row-length bucket) are excluded; every timed step ends with a synchronize.
+Every group's prompt starts with a token of its own, so groups share nothing across groups (the ratio is the
+groups' own).
+
+Shared system prompt (``system_len=S`` > 0, instead of the ratios): ``groups`` groups of G rollouts whose prompts
+are one S-token system prompt, common to every group, then ``question_len`` tokens of the group's own; C-token
+completions forking at their first token. Run three ways on the same samples: tree (one trie per row, the
+default: the system prompt forwarded once per row), tree per group (``packing.share_across_groups=false``: once
+per group in the row) and sequence. Reported side by side: eff tok/s of each and their ratios to sequence, the
+FLOP bound of each tree plan, the forwarded tokens per row (rows x mean), and how many times a row forwards the
+system prompt (its tokens at depths < S - 1, over S - 1), e.g. the issue's 1k-token system prompt and 16 groups
+of 16 x 256: ``system_len=1024 question_len=64 groups=16 group_size=16 completion_len=256``.
 
 Usage: asyncgrpo bench packing [shapes=0.6b,1.7b] [ratios=1,2,3.4,8] [token_budget=16384] [rows=4] [steps=3]
        [warmup=1] [group_size=16] [completion_len=256] [device=auto] [kernel=auto] [threads=0] [out=results.json]
+       [system_len=0] [question_len=64] [groups=16]
 ``rows``: tree rows per step (the number of groups follows); shapes: 0.6b, 1.7b, qwen3.5-2b, tiny, tiny-qwen3.5
 (CUDA defaults: 0.6b,1.7b, budget 16384, C 256; CPU defaults: tiny, budget 512, C 16); ``kernel``: auto, torch or
 fla for hybrids' gated-DeltaNet layers.
@@ -69,6 +81,9 @@ class Options:
     kernel: str = "auto"
     threads: int = 0
     out: str = ""
+    system_len: int = 0
+    question_len: int = 64
+    groups: int = 16
 
 
 def parse_options(argv: list[str]) -> Options:
@@ -135,21 +150,35 @@ def workload(ratio: float, opts: Options, vocab: int) -> tuple[int, list]:
     return best[1], build(best[1])[1]
 
 
-def make_samples(rng: np.random.Generator, groups: int, group: int, prompt: int, completion: int, vocab: int):
-    """``groups`` x ``group`` samples: a shared prompt, completions forking at distinct first tokens."""
+def make_samples(
+    rng: np.random.Generator,
+    groups: int,
+    group: int,
+    prompt: int,
+    completion: int,
+    vocab: int,
+    system: np.ndarray | None = None,
+):
+    """``groups`` x ``group`` samples: a shared prompt, completions forking at distinct first tokens. Each group's
+    ``prompt`` tokens start with a token no other group's do (up to ``vocab`` groups), after ``system`` if given
+    (every group's prompt is then the system prompt and its own ``prompt`` tokens)."""
     from asyncgrpo_cli.samples import SAMPLER_TOPK, TopK, TrainingSequence
 
     base = -float(np.log(vocab))  # a random model is near uniform: importance ratios near 1
+    heads = rng.permutation(vocab)
     out = []
     for g in range(groups):
         head = rng.integers(0, vocab, size=prompt)
+        head[0] = heads[g % vocab]
+        if system is not None:
+            head = np.concatenate([system, head])
         firsts = rng.choice(vocab, size=group, replace=False)
         for i in range(group):
             tail = rng.integers(0, vocab, size=completion)
             tail[0] = firsts[i]
             ids = np.concatenate([head, tail]).astype(np.int64)
             mask = np.zeros(ids.shape[0], dtype=bool)
-            mask[prompt:] = True
+            mask[head.shape[0] :] = True
             lps = np.where(mask, base + rng.normal(0, 0.2, ids.shape[0]), 0.0).astype(np.float32)
             out.append(TrainingSequence(
                 input_ids=ids, train_mask=mask, sampler_logprobs=lps, advantage=float(rng.normal()),
@@ -201,8 +230,9 @@ def build_model(shape: str, device: Any, kernel: str = "auto") -> Any:
         return load_policy(weightless_checkpoint(SHAPES[shape], Path(tmp) / shape), cfg, device)
 
 
-def run_packer(kind: str, model: Any, samples: list, opts: Options, device: Any) -> dict:
-    """Warm-up and timed steps of one packer over ``samples``; per-step medians and counts."""
+def run_packer(kind: str, model: Any, samples: list, opts: Options, device: Any, share: bool = True) -> dict:
+    """Warm-up and timed steps of one packer over ``samples`` (``share``: packing.share_across_groups); per-step
+    medians and counts."""
     import torch
 
     from asyncgrpo_cli import registry
@@ -213,7 +243,9 @@ def run_packer(kind: str, model: Any, samples: list, opts: Options, device: Any)
 
     cuda = device.type == "cuda"
     loss_fn = registry.resolve("loss", "score_centering")(LossConfig())
-    packer = RecordingPacker(registry.resolve("packer", kind)(PackingConfig(kind=kind)))
+    packer = RecordingPacker(
+        registry.resolve("packer", kind)(PackingConfig(kind=kind, share_across_groups=share))
+    )
     step_s, plan_pack_s = [], []
     for step in range(opts.warmup + opts.steps):
         if step == opts.warmup and cuda:
@@ -236,7 +268,10 @@ def run_packer(kind: str, model: Any, samples: list, opts: Options, device: Any)
     pairs = sum(int((r.leave - torch.arange(r.num_forwarded)).sum()) for r in rows)
     forwarded, trained = sum(r.num_forwarded for r in rows), sum(r.num_trained for r in rows)
     t = statistics.median(step_s)
+    shallow = opts.system_len - 1  # a shared system prompt's tokens below its last (0: none)
     return dict(
+        forwarded_per_row=[r.num_forwarded for r in rows],
+        system_copies_per_row=[int((r.position_ids < shallow).sum()) / shallow for r in rows] if shallow > 0 else None,
         rows=len(rows), forwarded_tokens=forwarded, sample_tokens=sum(r.num_unpacked for r in rows),
         trained_tokens=trained, attention_pairs=pairs, step_s=t, plan_pack_s=statistics.median(plan_pack_s),
         model_flops=StepFlops(model)(forwarded, trained, pairs),
@@ -266,6 +301,63 @@ def bench_ratio(shape: str, ratio: float, model: Any, opts: Options, device: Any
         prompt_len=p, completion_len=c, groups=groups, samples=len(samples), token_budget=opts.token_budget,
         speedup=seq["step_s"] / tree["step_s"], flop_bound=seq_flops / tree["model_flops"], tree=tree, sequence=seq,
     )  # fmt: skip
+
+
+def bench_system(shape: str, model: Any, opts: Options, device: Any, vocab: int) -> dict:
+    """The shared-system-prompt workload: tree (one trie per row), tree per group and sequence side by side."""
+    from asyncgrpo_cli.model.gdn.layer import installed_kernel
+
+    g, c, q, k = opts.group_size, opts.completion_len, opts.question_len, opts.system_len
+    rng = np.random.default_rng(0)
+    samples = make_samples(rng, opts.groups, g, q, c, vocab, system=rng.integers(0, vocab, size=k))
+    if k + q + c > opts.token_budget:
+        raise UserError(
+            f"asyncgrpo bench packing: samples of system_len + question_len + completion_len = {k + q + c} "
+            f"tokens exceed token_budget={opts.token_budget}: raise token_budget or shorten them"
+        )
+    runs = {
+        "tree": run_packer("tree", model, samples, opts, device, share=True),
+        "tree_per_group": run_packer("tree", model, samples, opts, device, share=False),
+        "sequence": run_packer("sequence", model, samples, opts, device),
+    }
+    seq_flops = runs["sequence"]["model_flops"]
+    for r in runs.values():
+        r["effective_tok_s"] = r["sample_tokens"] / r["step_s"]
+        r["speedup"] = runs["sequence"]["step_s"] / r["step_s"]
+        r["flop_bound"] = seq_flops / r["model_flops"]
+        r["mfu"] = r["model_flops"] / r["step_s"] / PEAK_FLOPS if device.type == "cuda" else None
+    return dict(
+        shape=shape, linear_attention_kernel=installed_kernel(model), system_len=k, question_len=q,
+        group_size=g, completion_len=c, groups=opts.groups, samples=len(samples), token_budget=opts.token_budget,
+        **runs,
+    )  # fmt: skip
+
+
+SYSTEM_HEADER = ["shape", "groups x G x (S+Q+C)", "tree eff tok/s", "per-group eff tok/s", "seq eff tok/s",
+                 "tree/seq", "per-group/seq", "FLOP bound", "per-group FLOP bound", "tok/row tree",
+                 "tok/row per-group", "tok/row seq", "system per row: tree", "per-group", "tree MFU",
+                 "tree plan+pack %"]  # fmt: skip
+
+
+def system_row(r: dict) -> list[str]:
+    def per_row(run: dict) -> str:
+        rows = run["forwarded_per_row"]
+        return f"{len(rows)} x {sum(rows) / len(rows):,.0f}"
+
+    def copies(run: dict) -> str:
+        c = run["system_copies_per_row"]
+        return "-" if c is None else f"{sum(c) / len(c):.2f}"
+
+    t, pg, s = r["tree"], r["tree_per_group"], r["sequence"]
+    kernel = r.get("linear_attention_kernel")
+    return [
+        r["shape"] + (f" (GDN {kernel})" if kernel else ""),
+        f"{r['groups']} x {r['group_size']} x ({r['system_len']}+{r['question_len']}+{r['completion_len']})",
+        f"{t['effective_tok_s']:,.0f}", f"{pg['effective_tok_s']:,.0f}", f"{s['effective_tok_s']:,.0f}",
+        f"{t['speedup']:.2f}x", f"{pg['speedup']:.2f}x", f"{t['flop_bound']:.2f}x", f"{pg['flop_bound']:.2f}x",
+        per_row(t), per_row(pg), per_row(s), copies(t), copies(pg),
+        "-" if t["mfu"] is None else f"{100 * t['mfu']:.1f}%", f"{100 * t['plan_pack_s'] / t['step_s']:.1f}%",
+    ]  # fmt: skip
 
 
 HEADER = ["shape", "ratio", "G x (P+C)", "tree eff tok/s", "seq eff tok/s", "tree/seq", "FLOP bound",
@@ -310,21 +402,35 @@ def main(argv: list[str]) -> None:
     where = (
         torch.cuda.get_device_name(device) if use_cuda else f"CPU, {torch.get_num_threads()} torch threads"
     )
+    if opts.system_len > 0 and (opts.groups < 1 or opts.question_len < 1):
+        raise UserError("asyncgrpo bench packing: system_len > 0 needs groups >= 1 and question_len >= 1")
+    workload = (
+        f"a {opts.system_len}-token system prompt shared by {opts.groups} groups"
+        if opts.system_len > 0
+        else f"~{opts.rows} tree rows per step"
+    )
     print(
         f"tree vs sequence packing, forward+backward (chunked head, gradient checkpointing) on {where}, torch "
-        f"{torch.__version__}; token_budget {opts.token_budget}, ~{opts.rows} tree rows per step, median of "
+        f"{torch.__version__}; token_budget {opts.token_budget}, {workload}, median of "
         f"{opts.steps} steps after {opts.warmup} warm-up; MFU vs {PEAK_FLOPS / 1e12:.0f} TFLOP/s",
         flush=True,
     )
-    print("| " + " | ".join(HEADER) + " |")
-    print("|" + "---|" * len(HEADER), flush=True)
+    header = SYSTEM_HEADER if opts.system_len > 0 else HEADER
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header), flush=True)
     meta = dict(device=where, torch=torch.__version__, peak_flops=PEAK_FLOPS, options=asdict(opts))
     results = []
     for shape in opts.shapes:
         model = build_model(shape, device, opts.kernel)
-        for ratio in opts.ratios:
-            results.append(bench_ratio(shape, ratio, model, opts, device, model.config.vocab_size))
-            print("| " + " | ".join(table_row(results[-1])) + " |", flush=True)
+        vocab = model.config.vocab_size
+        for ratio in [None] if opts.system_len > 0 else opts.ratios:  # None: the system-prompt workload
+            if ratio is None:
+                results.append(bench_system(shape, model, opts, device, vocab))
+                line = system_row(results[-1])
+            else:
+                results.append(bench_ratio(shape, ratio, model, opts, device, vocab))
+                line = table_row(results[-1])
+            print("| " + " | ".join(line) + " |", flush=True)
             if opts.out:  # after every row, so an interrupted run keeps what it measured
                 with open(opts.out, "w") as f:
                     json.dump({"meta": meta, "results": results}, f, indent=1)

@@ -6,6 +6,8 @@ are uniform in [P/2, 3P/2]; completion lengths log-normal around C (sigma 0.6, a
 completions restart from an earlier completion of their group for a random stretch (shared reasoning openings)
 and one in 16 repeats an earlier one exactly, so tries fork below the prompt too. Every completion token is
 trained, with sampler log-probs and a ``sampler_topk`` extra of width ``topk`` (the default loss's).
+``system_len=S`` puts one S-token system prompt before every group's prompt (shared across groups: one trie per
+row shares it, ``share=0`` runs the tree cases with one trie per group, ``packing.share_across_groups=false``).
 
 For each packer (sequence, tree) and planner (its token-budget planner, and the fixed-count planner of
 ``packing.token_budget <= 0`` with ``samples / rows`` samples per row), one repeat plans the whole step
@@ -14,7 +16,7 @@ For each packer (sequence, tree) and planner (its token-budget planner, and the 
 plan. Defaults: 2,000 samples, P = C = 16, so Σ L is about 64k tokens, in rows of ``token_budget`` = 16,384.
 
 Usage: asyncgrpo bench planning [samples=2000] [group_size=16] [prompt_len=16] [completion_len=16] [topk=8]
-       [token_budget=16384] [ranks=1] [rows=4] [repeats=5] [seed=0] [profile=0]
+       [token_budget=16384] [ranks=1] [rows=4] [repeats=5] [seed=0] [profile=0] [system_len=0] [share=1]
 ``profile=N`` prints the N most expensive functions (cProfile, cumulative) of one repeat of each case instead.
 """
 
@@ -43,6 +45,8 @@ class Options:
     repeats: int = 5
     seed: int = 0
     profile: int = 0
+    system_len: int = 0
+    share: int = 1
 
 
 def parse_options(argv: list[str]) -> Options:
@@ -68,10 +72,13 @@ def make_step(opts: Options, vocab: int = 32000) -> list:
 
     rng = np.random.default_rng(opts.seed)
     g = max(1, opts.group_size)
+    system = rng.integers(0, vocab, size=opts.system_len) if opts.system_len > 0 else None
     out = []
     for group in range(-(-opts.samples // g)):
         p = int(rng.integers(max(1, opts.prompt_len // 2), max(2, 3 * opts.prompt_len // 2 + 1)))
         prompt = rng.integers(0, vocab, size=p)
+        if system is not None:
+            prompt, p = np.concatenate([system, prompt]), p + system.shape[0]
         done: list[np.ndarray] = []
         for _ in range(min(g, opts.samples - len(out))):
             n = max(1, int(rng.lognormal(np.log(max(1, opts.completion_len)), 0.6)))
@@ -124,11 +131,11 @@ def cases(opts: Options) -> dict[str, tuple[Any, Any]]:
     from asyncgrpo_cli.packing.tree import TreePacker
 
     per_row = max(1, -(-opts.samples // (opts.rows * opts.ranks)))
-    max_len = opts.prompt_len * 2 + opts.completion_len * 8
+    max_len = max(opts.system_len, 0) + opts.prompt_len * 2 + opts.completion_len * 8
     out = {}
     for name, packer in (
         ("sequence", SequencePacker(PackingConfig(kind="sequence"))),
-        ("tree", TreePacker(PackingConfig(kind="tree"))),
+        ("tree", TreePacker(PackingConfig(kind="tree", share_across_groups=bool(opts.share)))),
     ):
         budget_cls = planner_for(packer)
         out[f"{name} / token budget"] = (packer, lambda c=budget_cls: c(opts.token_budget, opts.ranks))

@@ -159,8 +159,14 @@ class SamplingConfig:
 class PackingConfig:
     kind: str = F(
         "tree",
-        "Packer: tree (default: per-group prefix tries, each shared prefix forwarded once, exact tree attention) "
+        "Packer: tree (default: a prefix trie per row, each shared prefix forwarded once, exact tree attention) "
         "or sequence (padding-free rows with per-sample attention isolation).",
+    )
+    share_across_groups: bool = F(
+        True,
+        "Tree packing: groups in one row share the prefixes their prompts have in common (a system prompt, "
+        "few-shot examples), forwarded once per row instead of once per group; exact either way. false: one trie "
+        "per group (the layout before cross-group sharing, for comparisons).",
     )
     token_budget: int | None = F(
         None,

@@ -18,7 +18,8 @@ def planner_for(packer: Packer) -> type:
     """The planner class whose cost model matches ``packer``: its ``planner`` attribute ("module:Class").
 
     ``SequencePacker`` -> ``TokenBudgetPlanner`` (Σ L tokens, Σ L² cost); ``TreePacker`` ->
-    ``TreeBudgetPlanner`` (unique tokens under group tries). Every packer declares one
+    ``TreeBudgetPlanner`` (unique tokens under the row's trie; ``GroupTreeBudgetPlanner`` under group tries when
+    ``packing.share_across_groups`` is false). Every packer declares one
     (:class:`~asyncgrpo_cli.protocols.Packer`); a user packer whose rows are plain concatenations names
     ``asyncgrpo_cli.packing.planner:TokenBudgetPlanner``.
     """

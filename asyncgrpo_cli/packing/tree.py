@@ -1,8 +1,15 @@
-"""Tree packing: one row forwards each group's shared prefixes once, and every sample still sees only itself.
+"""Tree packing: one row forwards each shared prefix once, and every sample still sees only itself.
 
 Layout rules (reference section i; the trie and its placements are described in ``packing/trie.py``):
-  - one prefix trie per group (``(group_id, prompt_seq)``), over exact token ids; groups never share tokens
-    and are laid out one after another in the order they first appear in the row;
+  - one prefix trie per row over exact token ids (``packing.share_across_groups``, the default): samples of
+    different groups whose prompts share a prefix (a system prompt, few-shot examples, a chat template's
+    opening) share its placements exactly as the rollouts of one group share their prompt; with
+    ``share_across_groups=false``, one trie per group (``(group_id, prompt_seq)``) and groups never share.
+    Sharing is exact because a token's hidden state depends only on its root-to-token path (its own ids at its
+    own positions), which a shared placement has for every sample through it, whatever their groups;
+  - the roots (first tokens) are laid out group by group, in the order the groups first appear in the row (a
+    root's group: that of the sample placing it), then in row order: a row whose groups share no first token
+    is laid out exactly as with one trie per group;
   - a node with several children is duplicated into each branch (the last shared token heads every branch);
   - depth-first (pre-order) layout; at a fork the branch of the earliest sample comes first;
   - unbranched chains collapse into *segments*: a segment ends where a placement has >= 2 children or none;
@@ -112,12 +119,14 @@ def _check_ids(samples: Sequence[TrainingSequence]) -> tuple[list[np.ndarray], n
     return ids, lengths, cat
 
 
-def tree_layout(samples: Sequence[TrainingSequence]) -> TreeLayout:
-    """The :class:`TreeLayout` of one row's samples (at least one, each non-empty; token ids >= 0).
+def tree_layout(samples: Sequence[TrainingSequence], share_across_groups: bool = True) -> TreeLayout:
+    """The :class:`TreeLayout` of one row's samples (at least one, each non-empty; token ids >= 0): one trie per
+    row (``share_across_groups``) or per group.
 
     Array operations over the whole row (``packing/tree_arrays.py``): each sample's placement (parent sample and
     first own depth), its chunk's anchor, the depth-first order of the chunks, then every token's packed position
-    by gathers over cumulative sums.
+    by gathers over cumulative sums. A row's trie is placed as one sub-trie per distinct first token (samples
+    with different first tokens share nothing), so a row without cross-group sharing costs what it did.
     """
     if not samples:
         raise ValueError("cannot pack an empty row: the planner gives every rank at least one sample")
@@ -127,7 +136,11 @@ def tree_layout(samples: Sequence[TrainingSequence]) -> TreeLayout:
     starts = ends - lengths
     first: dict[Hashable, int] = {}
     group = np.array([first.setdefault(group_key(s), len(first)) for s in samples], dtype=np.int64)
-    parent, own_from = placements(cat, starts, lengths, group)
+    if share_across_groups:
+        trie = np.unique(cat[starts], return_inverse=True)[1].astype(np.int64, copy=False).reshape(-1)
+        parent, own_from = placements(cat, starts, lengths, trie, group)
+    else:
+        parent, own_from = placements(cat, starts, lengths, group)
     chunks = np.flatnonzero(own_from < lengths)  # samples that place tokens, ascending
     a = own_from[chunks] - 1  # the depth each chunk hangs below (-1: a root)
     hung = np.flatnonzero(a >= 0)
@@ -192,16 +205,19 @@ class TreeRow(PackedRow):
 
 
 class TreePacker:
-    """Packs one row's samples as per-group prefix tries; see the module docstring for the layout."""
-
-    planner = "asyncgrpo_cli.packing.tree_planner:TreeBudgetPlanner"
+    """Packs one row's samples as one prefix trie (``packing.share_across_groups``) or one per group; see the
+    module docstring for the layout. ``planner``: the planner counting the same tries."""
 
     def __init__(self, cfg: PackingConfig) -> None:
         self.cfg = cfg
+        self.share_across_groups = cfg.share_across_groups
+        self.planner = "asyncgrpo_cli.packing.tree_planner:" + (
+            "TreeBudgetPlanner" if self.share_across_groups else "GroupTreeBudgetPlanner"
+        )
 
     def pack(self, samples: Sequence[TrainingSequence]) -> TreeRow:
         """The packed row of ``samples`` (at least one, each non-empty)."""
-        layout = tree_layout(samples)
+        layout = tree_layout(samples, self.share_across_groups)
         terms = gather_loss_terms(samples, layout.locate)
         return TreeRow(
             input_ids=torch.from_numpy(layout.input_ids)[None],

@@ -1,33 +1,37 @@
-"""A tree-packed row's placements with array operations over the whole row: the group tries of ``packing/trie.py``
+"""A tree-packed row's placements with array operations over the whole row: the tries of ``packing/trie.py``
 without inserting samples one by one.
 
-What insertion decides for sample j of a group (rules in ``packing/trie.py``) depends on three numbers: ``m``,
-its longest common prefix (LCP) with an earlier sample of the group; ``i*``, the earliest sample reaching it; and
-whether an earlier sample of length > m reaches it (node m-1 has a child). They come from all pairwise LCPs of
-the group, found without comparing every pair token by token:
+Samples are inserted into *tries*: by default one per row, so that groups whose prompts share a prefix (a system
+prompt, few-shot examples) share it; one per group with ``packing.share_across_groups=false``. The caller numbers
+each sample's trie (``trie``).
 
-  1. sort the row's samples by (group, token ids lexicographically, row index) (Python's sort on ``bytes``:
-     memcmp), so each group is one run and identical samples keep row order;
-  2. the LCP of each adjacent pair in that order: one vectorized comparison per pair, from the prefix the whole
-     group shares (the LCP of its first and last samples in that order) to min(L_a, L_b), so a shared prompt
-     is compared once per group, not once per sample;
-  3. the LCP of any two samples of a group is the minimum of the adjacent LCPs between them in sorted order (a
-     lexicographic-order property), so one ``minimum.accumulate`` over a [groups, G, G] array gives every pair;
-  4. permuted back to insertion order, ``m`` / ``i*`` / "has a child" are a masked max, argmax (earliest on
-     ties) and any over the earlier samples of each group.
+What insertion decides for sample j (rules in ``packing/trie.py``) depends on three numbers: ``m``, its longest
+common prefix (LCP) with an earlier sample of its trie; ``i*``, the earliest sample sharing those m tokens; and
+whether an earlier sample of length > m shares them (node m-1 has a child). They come from the samples in
+sorted order, where the LCP of two samples is the minimum of the adjacent LCPs between them (a
+lexicographic-order property), so no pair is compared token by token and nothing is quadratic in the row:
 
-Rows whose padded [groups, G, G] array would be large (one group of thousands of samples) use the group tries
-instead (:data:`MAX_PAIRS`): the same numbers, per sample.
+  1. sort the row's samples by (trie, token ids lexicographically, row index) (Python's sort on ``bytes``:
+     memcmp), so each trie is one run and identical samples keep row order;
+  2. the LCP of each adjacent pair in that order (0 across tries): one vectorized comparison per pair, from the
+     prefix known to be shared to min(L_a, L_b). Known shared: the LCP of the trie's first and last samples in
+     that order, and for two samples of one group the LCP of the group's first and last (every sample sorted
+     between two others shares their common prefix), so a system prompt is compared once per trie and a group's
+     prompt once per group, not once per sample;
+  3. the earlier samples nearest to j on either side in sorted order (the previous and next smaller row index):
+     the LCP with any earlier sample is at most the LCP with the nearer of them on its side, so ``m`` is the
+     larger of those two LCPs;
+  4. the samples sharing m tokens with j are the sorted interval [lo, hi] around it where the adjacent LCPs stay
+     >= m; ``i*`` is its smallest row index. Those of length exactly m (equal to j's first m tokens) sort first
+     in it, one run of identical samples; node m-1 has a child iff an earlier sample lies after that run.
+
+Range minima (of row indices and of adjacent LCPs) are sparse tables, and the searches in 3 and 4 binary lifting
+over them, both kept within a trie: O(n log G) array work per row, n samples in tries of at most G.
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-from asyncgrpo_cli.packing.trie import GroupTrie
-
-MAX_PAIRS = 1 << 21
-"""Largest groups x G x G array step 3 builds; above it :func:`placements` inserts into :class:`GroupTrie`."""
 
 
 def adjacent_lcp(
@@ -57,69 +61,115 @@ def adjacent_lcp(
 
 
 def placements(
-    cat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, group: np.ndarray
+    cat: np.ndarray,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    trie: np.ndarray,
+    group: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(parent, own_from) int64 [n] of each sample of a row: the row index of the earlier sample whose path it
-    shares below ``own_from`` (-1: none), and its first own depth, exactly as inserting each group's samples in
-    row order into a :class:`GroupTrie` gives them. ``group``: int64 [n], groups numbered 0, 1, ... by first
-    appearance."""
+    shares below ``own_from`` (-1: none), and its first own depth, exactly as inserting each trie's samples in
+    row order into a :class:`~asyncgrpo_cli.packing.trie.GroupTrie` gives them. ``trie``: int64 [n], the trie of
+    each sample (numbered 0, 1, ...); ``group``: int64 [n] (numbered alike) or None (the tries are the groups):
+    the GRPO groups, whose shared prompts step 2 of the module docstring skips."""
     n = lengths.shape[0]
-    sizes = np.bincount(group)
-    ng, gmax = sizes.shape[0], int(sizes.max())
-    if ng * gmax * gmax > MAX_PAIRS:
-        return _with_tries(cat, starts, lengths, group)
     raw = cat.tobytes()
     keys = [raw[8 * s : 8 * (s + n_)] for s, n_ in zip(starts.tolist(), lengths.tolist(), strict=True)]
-    order = np.array([i for _, _, i in sorted(zip(group.tolist(), keys, range(n)))], dtype=np.int64)
-    gstart = np.cumsum(sizes) - sizes
-    spos = np.empty(n, dtype=np.int64)  # sorted position within the group
-    spos[order] = np.arange(n) - gstart[group[order]]
-    by_group = np.argsort(group, kind="stable")
-    ipos = np.empty(n, dtype=np.int64)  # insertion (row-order) position within the group
-    ipos[by_group] = np.arange(n) - gstart[group[by_group]]
-    big = np.iinfo(np.int64).max
-    adj = np.full((ng, gmax), big, dtype=np.int64)  # adj[g, p]: LCP of sorted p - 1 and p
-    # The LCP of a group's lexicographically first and last samples is the prefix all of its samples share
-    # (the prompt, usually): adjacent pairs are compared from there on only.
-    shared = adjacent_lcp(cat, starts, lengths, order[gstart], order[gstart + sizes - 1])
-    same = np.flatnonzero(group[order[:-1]] == group[order[1:]])
-    lo, hi = order[same], order[same + 1]
-    adj[group[hi], spos[hi]] = adjacent_lcp(cat, starts, lengths, lo, hi, shared[group[hi]])
-    col = np.arange(gmax)
-    upper = np.where(col[None, None, :] > col[None, :, None], adj[:, None, :], big)
-    lcp_sorted = np.minimum.accumulate(upper, axis=2)
-    lcp_sorted = np.minimum(lcp_sorted, lcp_sorted.transpose(0, 2, 1))
-    perm = np.zeros((ng, gmax), dtype=np.int64)  # perm[g, t]: sorted position of the t-th sample of g
-    perm[group, ipos] = spos
-    member = np.zeros((ng, gmax), dtype=np.int64)
-    member[group, ipos] = np.arange(n)
-    lens = np.zeros((ng, gmax), dtype=np.int64)
-    lens[group, ipos] = lengths
-    gi = np.arange(ng)[:, None, None]
-    lcp = lcp_sorted[gi, perm[:, :, None], perm[:, None, :]]  # [g, earlier t_i, later t_j]
-    valid = (col[None, :, None] < col[None, None, :]) & (col[None, None, :] < sizes[:, None, None])
-    masked = np.where(valid, lcp, -1)
-    m_all, best_all = masked.max(axis=1), masked.argmax(axis=1)
-    child_all = (valid & (lcp == m_all[:, None, :]) & (lens[:, :, None] > m_all[:, None, :])).any(axis=1)
-    m, has_child = m_all[group, ipos], child_all[group, ipos]
-    best = member[group, best_all[group, ipos]]
-    root = m <= 0
-    own_from = np.where(m == lengths, lengths, np.where(has_child, m - 1, m))
-    return np.where(root, -1, best), np.where(root, 0, own_from)
-
-
-def _with_tries(cat, starts, lengths, group) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`placements` by inserting each group's samples into a :class:`GroupTrie` (row order)."""
-    tries: dict[int, tuple[GroupTrie, list[int]]] = {}
-    parent = np.empty(lengths.shape[0], dtype=np.int64)
-    own_from = np.empty(lengths.shape[0], dtype=np.int64)
-    for i, (g, s, n) in enumerate(zip(group.tolist(), starts.tolist(), lengths.tolist(), strict=True)):
-        trie, members = tries.setdefault(g, (GroupTrie(), []))
-        att = trie.insert(cat[s : s + n])
-        parent[i] = members[att.parent] if att.parent >= 0 else -1
-        own_from[i] = att.own_from
-        members.append(i)
+    order = np.array([i for _, _, i in sorted(zip(trie.tolist(), keys, range(n)))], dtype=np.int64)
+    lo, hi = order[:-1], order[1:]
+    same = trie[lo] == trie[hi]
+    begins = np.flatnonzero(np.concatenate([[True], ~same]))  # first sorted position of each trie
+    ends = np.append(begins[1:], n) - 1
+    skip = adjacent_lcp(cat, starts, lengths, order[begins], order[ends])[np.cumsum(~same)]
+    if group is not None:  # two samples of one group (in one trie) also share the group's own prefix
+        cell = np.unique(trie * (int(group.max()) + 1) + group, return_inverse=True)[1].reshape(-1)
+        if int(cell.max()) > int(trie.max()):  # some trie holds several groups (else: known already)
+            rank = np.empty(n, dtype=np.int64)
+            rank[order] = np.arange(n)
+            own = _cell_shared(cat, starts, lengths, cell, rank)
+            skip = np.where(cell[lo] == cell[hi], np.maximum(skip, own[cell[hi]]), skip)
+    pairs = np.flatnonzero(same)
+    adj = np.zeros(n, dtype=np.int64)  # adj[p]: LCP of sorted p - 1 and p (0 at p = 0 and across tries)
+    adj[pairs + 1] = adjacent_lcp(cat, starts, lengths, lo[pairs], hi[pairs], skip[pairs])
+    # Per sorted position: its trie (counted in sort order), its row index (earlier = smaller) shifted so that
+    # every other trie looks earlier on the left (``before``) and on the right (``beyond``): each search then
+    # stops at its trie's ends and needs only log2(largest trie) levels.
+    tid = np.concatenate([[0], np.cumsum(~same)])
+    levels = int(np.bincount(tid).max()).bit_length()
+    t, length = order, lengths[order]
+    before, beyond = _SparseMin(t + n * tid, levels), _SparseMin(t - n * tid, levels)
+    adj_min = _SparseMin(adj, levels)
+    pos = np.arange(n, dtype=np.int64)
+    left = before.reach_left(pos, before.values) - 1  # nearest earlier sample before p (or another trie's)
+    right = beyond.reach_right(pos, beyond.values) + 1  # nearest earlier sample after p (n: none)
+    has_right = right < n
+    right_lcp = adj_min.query(np.where(has_right, pos + 1, pos), np.where(has_right, right, pos))
+    m = np.maximum(np.where(left >= 0, adj_min.query(left + 1, pos), 0), np.where(has_right, right_lcp, 0))
+    # The interval sharing m tokens with p (adjacent LCPs are 0 across tries); a root's is itself.
+    floor = np.where(m > 0, m - 1, np.iinfo(np.int64).max)
+    lo_m, hi_m = adj_min.reach_left(pos, floor, shift=1), adj_min.reach_right(pos, floor)
+    first = before.query(lo_m, hi_m) - n * tid
+    run = np.cumsum(np.concatenate([[True], (adj[1:] != length[1:]) | (length[1:] != length[:-1])])) - 1
+    run_end = np.append(np.flatnonzero(np.diff(run)), n - 1)  # last position of each identical run
+    after = np.where(length[lo_m] == m, run_end[run[lo_m]] + 1, lo_m)  # past the samples of length m
+    has_child = (after <= hi_m) & (before.query(np.minimum(after, hi_m), hi_m) < before.values)
+    own_sorted = np.where(m == length, length, np.where(has_child, m - 1, m))
+    parent, own_from = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    parent[t] = np.where(m > 0, first, -1)
+    own_from[t] = np.where(m > 0, own_sorted, 0)
     return parent, own_from
+
+
+class _SparseMin:
+    """Range minima of ``values`` (int64 [n]) over windows of up to 2^(levels - 1): level k holds the minimum of
+    each window of 2^k (a sparse table)."""
+
+    def __init__(self, values: np.ndarray, levels: int) -> None:
+        n = values.shape[0]
+        self.values, self.n = values, n
+        self.table = np.full((levels, n), np.iinfo(np.int64).max, dtype=np.int64)
+        self.table[0] = values
+        for k in range(1, levels):
+            half = 1 << (k - 1)
+            np.minimum(self.table[k - 1, : n - half], self.table[k - 1, half:], out=self.table[k, : n - half])
+
+    def query(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """min(values[lo[i] .. hi[i]]) for each i (lo <= hi)."""
+        k = np.log2(hi - lo + 1).astype(np.int64)
+        return np.minimum(self.table[k, lo], self.table[k, hi - (1 << k) + 1])
+
+    def reach_left(self, pos: np.ndarray, floor: np.ndarray, shift: int = 0) -> np.ndarray:
+        """The smallest x <= pos[i] such that every value at [x + shift, pos[i] + shift - 1] is > floor[i]
+        (binary lifting: one step per level, the largest first)."""
+        cur = pos.copy()
+        for k in range(self.table.shape[0] - 1, -1, -1):
+            step = cur - (1 << k)
+            ok = np.flatnonzero(step >= 0)
+            ok = ok[self.table[k, step[ok] + shift] > floor[ok]]
+            cur[ok] = step[ok]
+        return cur
+
+    def reach_right(self, pos: np.ndarray, floor: np.ndarray) -> np.ndarray:
+        """The largest x >= pos[i] such that every value at [pos[i] + 1, x] is > floor[i]."""
+        cur = pos.copy()
+        for k in range(self.table.shape[0] - 1, -1, -1):
+            step = cur + (1 << k)
+            ok = np.flatnonzero(step < self.n)
+            ok = ok[self.table[k, cur[ok] + 1] > floor[ok]]
+            cur[ok] = step[ok]
+        return cur
+
+
+def _cell_shared(
+    cat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, cell: np.ndarray, rank: np.ndarray
+) -> np.ndarray:
+    """int64 [cells]: the LCP of the first and last sample of each cell (the samples of one group in one trie,
+    numbered 0, 1, ...) in sort order (``rank``: each sample's position in it). Every sample of the cell sorts
+    between the two, so any two of them share that prefix."""
+    by = np.lexsort((rank, cell))
+    sizes = np.bincount(cell)
+    first = np.cumsum(sizes) - sizes
+    return adjacent_lcp(cat, starts, lengths, by[first], by[first + sizes - 1])
 
 
 def owners(parent: np.ndarray, own_from: np.ndarray, sample: np.ndarray, depth: np.ndarray) -> np.ndarray:

@@ -1,4 +1,8 @@
-"""One group's prefix trie: what a sample adds to a tree-packed row, for the tree planner (and ``bench trainer``).
+"""A prefix trie of samples: what a sample adds to a tree-packed row, for the tree planner (and ``bench trainer``).
+
+A tree-packed row holds one trie over all of its samples (``packing.share_across_groups``, the default), so groups
+whose prompts share a prefix share it, or one trie per group (:func:`group_key`). The rules below are the same
+either way: a trie does not know which group a sample came from.
 
 Imports numpy only (no torch), so the planner can run on plain data. The tree packer lays rows out from the same
 rules with array operations over the whole row (``packing/tree.py``); tests check both against each other.
@@ -40,7 +44,8 @@ import numpy as np
 
 
 def group_key(sample: Any) -> Hashable:
-    """The trie a sample (``TrainingSequence``) belongs to: its group, the G rollouts of one prompt."""
+    """A sample's (``TrainingSequence``) group, the G rollouts of one prompt: its trie when every group has its
+    own (``packing.share_across_groups=false``), and the unit the tree planner keeps together either way."""
     return (sample.group_id, sample.prompt_seq)
 
 
@@ -50,7 +55,7 @@ def trie_key(ids: Any) -> bytes:
 
 
 class Attachment(NamedTuple):
-    """Where a new sample goes in a group trie, and what it adds (a named tuple: built once per probe, and a
+    """Where a new sample goes in a trie, and what it adds (a named tuple: built once per probe, and a
     frozen dataclass costs ~1 us to build).
 
     ``parent``: the earlier sample (group-local index) whose path it shares below ``own_from`` (-1: none).
@@ -90,7 +95,8 @@ def _common(key: bytes, at: int, label: bytes, n: int) -> int:
 
 
 class GroupTrie:
-    """The samples of one group in insertion order, with their placements (see the module docstring)."""
+    """The samples of one trie (a row's or a group's) in insertion order, with their placements (see the module
+    docstring)."""
 
     def __init__(self) -> None:
         self._root = _Node(0, 0, b"", -1)

@@ -1,7 +1,7 @@
 """CUDA: compiled flex attention + the interval-built BlockMask equals SDPA + the dense mask on the same packed row
 (log-probs and every parameter gradient, through the trainer's log-prob head with gradient checkpointing), on a
-tree row of ~1.3k tokens (fp32, bf16), on ~8k-token tree and sequence rows (many 128-blocks, padding to the 8192
-bucket), without recompiling for a new row length in the same bucket, and through the trainer's loader."""
+tree row of ~1.3k tokens (fp32, bf16), on a row whose groups share a system prompt, on ~8k-token tree and
+sequence rows (many 128-blocks, padding to the 8192 bucket), without recompiling for a new row length in the same bucket, and through the trainer's loader."""
 
 from __future__ import annotations
 
@@ -22,13 +22,17 @@ CUDA = torch.device("cuda")
 
 
 def groups(
-    rng, num_groups: int, forks: int, prompt: int, completion: int, k: int = 3
+    rng, num_groups: int, forks: int, prompt: int, completion: int, k: int = 3, system: int = 0
 ) -> list[TrainingSequence]:
     """GRPO groups: ``forks`` completions (completion .. 2 x completion tokens) below one prompt each; every
-    third completion repeats the start of the previous one, so forks also happen inside completions."""
+    third completion repeats the start of the previous one, so forks also happen inside completions. With
+    ``system``, every prompt's first ``system`` tokens are one system prompt shared by the groups."""
     out = []
+    shared = rng.integers(0, VOCAB, size=system) if system else None
     for g in range(num_groups):
         head = rng.integers(0, VOCAB, size=prompt)
+        if shared is not None:
+            head[:system] = shared
         for i in range(forks):
             tail = rng.integers(0, VOCAB, size=int(rng.integers(completion, 2 * completion)))
             if i % 3 == 2:
@@ -104,6 +108,15 @@ def test_flex_matches_sdpa_on_a_tree_row(dtype):
     )
     assert 1000 < row.num_forwarded < 2048 and row.num_unpacked > 2 * row.num_forwarded
     assert_match(tiny_qwen3(dtype), row, dtype)
+
+
+def test_flex_matches_sdpa_on_a_row_sharing_a_system_prompt_across_groups():
+    """4 groups whose prompts start with one 300-token system prompt: one trie per row forwards it once."""
+    samples = groups(np.random.default_rng(4), num_groups=4, forks=6, prompt=350, completion=20, system=300)
+    row = TreePacker(PackingConfig()).pack(samples)
+    per_group = TreePacker(PackingConfig(share_across_groups=False)).pack(samples)
+    assert row.num_forwarded == per_group.num_forwarded - 3 * 299
+    assert_match(tiny_qwen3(torch.float32), row.to(CUDA), torch.float32)
 
 
 @pytest.mark.parametrize("kind", ["tree", "sequence"])

@@ -15,7 +15,7 @@ import torch
 from tests.helpers.compiled_steps import run_steps
 
 pytestmark = pytest.mark.gpu
-CUDA = torch.device("cuda")
+CUDA = torch.device("cuda", 0)  # FSDP2 needs an indexed device (the trainer passes cuda:LOCAL_RANK)
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,8 @@ token). A group forwards G (P + C) tokens under sequence packing and P - 1 + G (
 chosen so that the packing ratio (sample tokens / tree-forwarded tokens) hits each requested ratio. Every step
 plans, packs and runs forward + backward over the same samples with each packer, through the trainer's own code:
 the packer's planner (``packing.planner_for``) and ``train/step.py:forward_backward`` (packing, the attention
-path of ``model.attn_implementation=auto``: compiled flex on CUDA, SDPA on CPU, the chunked LM head, the default
+path of ``model.attn_implementation=auto``: compiled flex on CUDA, SDPA on CPU, the LM head of
+``model.lm_head_kernel=auto`` (fused Triton kernels on CUDA, chunked on CPU), the default
 score-centering loss with 8 sampler top-k ids), with gradient checkpointing. Models are Qwen3 shapes and Qwen3.5-2B's
 gated-DeltaNet hybrid, written as a weightless checkpoint (config.json from a hand-written config, no tensors) and
 loaded by the trainer's ``load_policy`` (random weights, bf16 on CUDA, fp32 on CPU; nothing is downloaded): hybrids
@@ -409,8 +410,11 @@ def main(argv: list[str]) -> None:
         if opts.system_len > 0
         else f"~{opts.rows} tree rows per step"
     )
+    from asyncgrpo_cli.model.fused_head import head_that_runs
+
+    head = "fused Triton LM head" if head_that_runs("auto", device) == "triton" else "chunked LM head"
     print(
-        f"tree vs sequence packing, forward+backward (chunked head, gradient checkpointing) on {where}, torch "
+        f"tree vs sequence packing, forward+backward ({head}, gradient checkpointing) on {where}, torch "
         f"{torch.__version__}; token_budget {opts.token_budget}, {workload}, median of "
         f"{opts.steps} steps after {opts.warmup} warm-up; MFU vs {PEAK_FLOPS / 1e12:.0f} TFLOP/s",
         flush=True,

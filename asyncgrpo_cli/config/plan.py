@@ -11,8 +11,8 @@ from asyncgrpo_cli import registry
 from asyncgrpo_cli.config import lora as lora_policy
 from asyncgrpo_cli.config import schema
 from asyncgrpo_cli.config.choices import field_choices
+from asyncgrpo_cli.config.compile import compile_plan
 from asyncgrpo_cli.config.schema import RootConfig
-from asyncgrpo_cli.train.compile import compile_plan
 
 
 def plan_lines(cfg: RootConfig) -> list[tuple[str, str]]:

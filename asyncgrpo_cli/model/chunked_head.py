@@ -38,11 +38,11 @@ The target must be in S (the sampler drew it from there).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from asyncgrpo_cli.model.head_types import HeadStats, LogitTransform
 
 VOCAB_CHUNK = 4096
 """Vocabulary entries per tile on CPU. A tile holds a few [positions, vocab] fp32 temporaries."""
@@ -65,42 +65,6 @@ def tile_shape(device: torch.device) -> tuple[int, int]:
     if device.type == "cuda":
         return CUDA_POSITION_CHUNK, CUDA_VOCAB_CHUNK
     return POSITION_CHUNK, VOCAB_CHUNK
-
-
-@dataclass(frozen=True)
-class LogitTransform:
-    """z = softcap · tanh(scale · x / softcap) / temperature, in fp32 (each factor only where set)."""
-
-    temperature: float = 1.0
-    scale: float | None = None
-    """Cohere's ``logit_scale``: multiplies the raw logits first."""
-    softcap: float | None = None
-    """Gemma's ``final_logit_softcapping``: c·tanh(x / c), after the scale and before the temperature."""
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        z = x.float()
-        if self.scale is not None:
-            z = z * self.scale
-        if self.softcap is not None:
-            z = torch.tanh(z / self.softcap) * self.softcap
-        return z / self.temperature
-
-    def slope(self, z: torch.Tensor) -> torch.Tensor | float:
-        """∂z/∂x as a function of the transformed logits z (a scalar without soft-capping)."""
-        factor = (1.0 if self.scale is None else self.scale) / self.temperature
-        if self.softcap is None:
-            return factor
-        tanh = z * (self.temperature / self.softcap)
-        return (1.0 - tanh * tanh) * factor
-
-
-class HeadStats(NamedTuple):
-    """Per position: ``logprobs`` fp32 [N] and ``candidate_logprobs`` fp32 [N, K] (or None) are differentiable;
-    ``entropy`` fp32 [N] is not."""
-
-    logprobs: torch.Tensor
-    entropy: torch.Tensor
-    candidate_logprobs: torch.Tensor | None
 
 
 # ------------------------------------------------------------------------------------------------- tiles

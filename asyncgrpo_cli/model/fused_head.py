@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from asyncgrpo_cli.model.chunked_head import LogitTransform
+from asyncgrpo_cli.model.head_types import LogitTransform
 
 GRAD_TILE_ELEMENTS = 1 << 27
 """Largest [positions, vocab] gradient tile backward writes (2^27 entries: 256 MiB in bf16)."""

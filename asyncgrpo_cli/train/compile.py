@@ -29,31 +29,13 @@ import threading
 import time
 from typing import Any
 
+from asyncgrpo_cli.config.compile import compile_enabled, compile_plan  # noqa: F401 (re-exported)
+
 logger = logging.getLogger(__name__)
 
 _SEQUENCE_DIMS = {"position_ids": (-1,), "position_embeddings": (-2,), "attention_mask": (-2, -1)}
 """Row-length dimensions of a decoder layer's keyword inputs besides ``hidden_states`` [1, T, H]: position ids
 [..., T], RoPE cos / sin [1, T, D], a dense packed mask [1, 1, T, T] (a flex ``BlockMask`` is no tensor)."""
-
-
-def compile_enabled(setting: Any, device: Any) -> bool:
-    """Whether ``trainer.compile=setting`` compiles the decoder layers on ``device`` (a torch.device or a name)."""
-    if setting == "auto":
-        return getattr(device, "type", str(device).split(":")[0]) == "cuda"
-    if isinstance(setting, bool):
-        return setting
-    raise ValueError(f"trainer.compile={setting!r} must be auto, true or false")
-
-
-def compile_plan(setting: Any, device: str) -> str:
-    """``asyncgrpo check``'s line: what ``trainer.compile=setting`` does with ``trainer.device=device``."""
-    why = f"trainer.compile={str(setting).lower()}, trainer.device={device}"
-    if setting == "auto" and device == "auto":
-        return f"on if the trainer finds a CUDA device at start, off on CPU ({why})"
-    if not compile_enabled(setting, device):
-        return f"off: the decoder layers run eagerly ({why})"
-    cpu = "; on CPU inductor builds C++ kernels, slow first steps" if device == "cpu" else ""
-    return f"on: torch.compile of each decoder layer, compile time logged per step as perf/compile_total_s ({why}{cpu})"
 
 
 def maybe_compile_decoder_layers(model: Any, setting: Any, device: Any) -> bool:

@@ -22,7 +22,9 @@ def make(n, hidden, vocab, k, dtype, bias=False, seed=0):
 
 
 def run(kernel, h, w, b, targets, cands, transform):
-    stats = chunked_token_stats(h, w, targets, bias=b, transform=transform, candidate_ids=cands, kernel=kernel)
+    stats = chunked_token_stats(
+        h, w, targets, bias=b, transform=transform, candidate_ids=cands, kernel=kernel
+    )
     gen = torch.Generator(device="cuda").manual_seed(1)
     live = torch.isfinite(stats.candidate_logprobs)
     loss = (stats.logprobs * torch.randn(stats.logprobs.shape, device="cuda", generator=gen)).sum()
@@ -36,7 +38,9 @@ def reference(h, w, b, targets, cands, transform):
     from asyncgrpo_cli.model.chunked_head import dense_token_stats
 
     leaves = [None if x is None else x.detach().double().requires_grad_() for x in (h, w, b)]
-    stats = dense_token_stats(leaves[0], leaves[1], targets, bias=leaves[2], transform=transform, candidate_ids=cands)
+    stats = dense_token_stats(
+        leaves[0], leaves[1], targets, bias=leaves[2], transform=transform, candidate_ids=cands
+    )
     gen = torch.Generator(device="cuda").manual_seed(1)
     live = torch.isfinite(stats.candidate_logprobs)
     loss = (stats.logprobs * torch.randn(stats.logprobs.shape, device="cuda", generator=gen).double()).sum()

@@ -160,3 +160,19 @@ def test_candidates_that_repeat_the_target_or_each_other(fused):
     cands[::3, 3] = -1
     for transform in TRANSFORMS.values():
         assert_close_to_chunked(fused.FusedHeadFunction.apply, h, w, b, targets, cands, transform)
+
+
+def test_no_trained_positions_give_zero_gradients(fused):
+    _, w, b, _, _ = inputs(bias=True)
+    h = torch.zeros(0, 48, requires_grad=True)
+    targets, cands = torch.zeros(0, dtype=torch.long), torch.zeros(0, 3, dtype=torch.long)
+    logprobs, entropy, cand = fused.FusedHeadFunction.apply(
+        h, w, b, targets, cands, TRANSFORMS["temperature"]
+    )
+    assert logprobs.shape == (0,) and entropy.shape == (0,) and cand.shape == (0, 3)
+    grads = torch.autograd.grad(logprobs.sum() + cand.sum(), [h, w, b], allow_unused=True)
+    assert (
+        grads[0].shape == (0, 48)
+        and torch.count_nonzero(grads[1]) == 0
+        and torch.count_nonzero(grads[2]) == 0
+    )

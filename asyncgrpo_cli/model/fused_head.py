@@ -174,8 +174,12 @@ class FusedHeadFunction(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if (g_logprobs is None and g_cand is None) or not (need_h or need_w or need_b):
             return (None,) * 6
-        _, grad_kernel = _kernels()
         n_pos, n_hidden = hidden.shape
+        if n_pos == 0:  # a row with nothing trained: zero gradients (no tile ever writes grad_w)
+            zeros = [torch.zeros_like(x) if need and x is not None else None for x, need in zip(
+                (hidden, weight, bias), (need_h, need_w, need_b), strict=True)]  # fmt: skip
+            return (*zeros, None, None, None)
+        _, grad_kernel = _kernels()
         vocab = weight.shape[0]
         transform = ctx.transform
         f32 = dict(dtype=torch.float32, device=hidden.device)

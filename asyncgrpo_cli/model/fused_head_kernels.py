@@ -27,11 +27,14 @@ def _logits(
     PRECISION: tl.constexpr,
 ):  # fmt: skip
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    # Row base pointers in 64-bit arithmetic: V x H (or N x H) passes 2^31 elements for large vocabularies.
+    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
     for d0 in range(0, HIDDEN, BLOCK_D):
         dims = d0 + tl.arange(0, BLOCK_D)
         dim_ok = dims < HIDDEN
-        h = tl.load(h_ptr + rows[:, None] * stride_h + dims[None, :], row_ok[:, None] & dim_ok[None, :], 0.0)
-        w = tl.load(w_ptr + cols[:, None] * stride_w + dims[None, :], col_ok[:, None] & dim_ok[None, :], 0.0)
+        h = tl.load(h_rows + dims[None, :], row_ok[:, None] & dim_ok[None, :], 0.0)
+        w = tl.load(w_rows + dims[None, :], col_ok[:, None] & dim_ok[None, :], 0.0)
         acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, col_ok, 0.0).to(tl.float32)[None, :]

@@ -14,7 +14,8 @@ import os
 import pytest
 import torch
 
-from asyncgrpo_cli.model.chunked_head import ChunkedHeadFunction, LogitTransform, chunked_token_stats
+from asyncgrpo_cli.model.chunked_head import ChunkedHeadFunction, LogitTransform
+from asyncgrpo_cli.model.head import token_stats
 
 pytest.importorskip("triton", reason="the fused head's kernels need Triton (its interpreter runs on CPU)")
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -105,8 +106,8 @@ def test_logprobs_are_normalized(fused):
 def test_dispatch_runs_fused_where_asked_and_chunked_with_candidate_sets(fused):
     h, w, b, targets, cands = inputs(bias=True)
     t = TRANSFORMS["temperature"]
-    stats = chunked_token_stats(h, w, targets, bias=b, transform=t, candidate_ids=cands, kernel="triton")
-    ref = chunked_token_stats(h, w, targets, bias=b, transform=t, candidate_ids=cands, kernel="torch")
+    stats = token_stats(h, w, targets, bias=b, transform=t, candidate_ids=cands, kernel="triton")
+    ref = token_stats(h, w, targets, bias=b, transform=t, candidate_ids=cands, kernel="torch")
     assert not torch.equal(
         stats.logprobs, ref.logprobs
     )  # a different accumulation order: the fused kernels ran
@@ -114,8 +115,8 @@ def test_dispatch_runs_fused_where_asked_and_chunked_with_candidate_sets(fused):
     support = torch.full((h.shape[0], 4), -1)
     support[:, 0] = targets
     support[:, 1:] = torch.randint(0, w.shape[0], (h.shape[0], 3))
-    masked = chunked_token_stats(h, w, targets, transform=t, support_ids=support, kernel="triton")
-    masked_ref = chunked_token_stats(h, w, targets, transform=t, support_ids=support, kernel="torch")
+    masked = token_stats(h, w, targets, transform=t, support_ids=support, kernel="triton")
+    masked_ref = token_stats(h, w, targets, transform=t, support_ids=support, kernel="torch")
     assert torch.equal(masked.logprobs, masked_ref.logprobs)  # candidate sets run on the chunked head
 
 
@@ -176,3 +177,12 @@ def test_no_trained_positions_give_zero_gradients(fused):
         and torch.count_nonzero(grads[1]) == 0
         and torch.count_nonzero(grads[2]) == 0
     )
+
+
+def test_autos_first_use_check_passes_on_working_kernels(fused):
+    from asyncgrpo_cli.model import head
+
+    head._checked.clear()
+    for transform in TRANSFORMS.values():
+        for bias in (None, torch.zeros(3)):
+            assert head.fused_problem(torch.device("cpu"), torch.float32, 48, bias, transform, 4) is None

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncgrpo_cli.model import fused_head, head
 from asyncgrpo_cli.model.chunked_head import chunked_token_stats
+from asyncgrpo_cli.model.head import token_stats
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,14 +48,44 @@ def inputs(n=37, hidden=48, vocab=300, k=3):
 def test_without_a_gpu_auto_runs_chunked_and_triton_names_the_key(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     h, w, targets, cands = inputs()
-    auto = chunked_token_stats(h, w, targets, candidate_ids=cands, kernel="auto")
-    ref = chunked_token_stats(h, w, targets, candidate_ids=cands, kernel="torch")
+    auto = token_stats(h, w, targets, candidate_ids=cands, kernel="auto")
+    ref = chunked_token_stats(h, w, targets, candidate_ids=cands)
     assert torch.equal(auto.logprobs, ref.logprobs) and torch.equal(
         auto.candidate_logprobs, ref.candidate_logprobs
     )
     with pytest.raises(
         ValueError, match=r"model.lm_head_kernel=triton cannot run: the fused head runs on CUDA"
     ):
-        chunked_token_stats(h, w, targets, kernel="triton")
+        token_stats(h, w, targets, kernel="triton")
     with pytest.raises(ValueError, match=r"model.lm_head_kernel='cuda': use one of auto, torch, triton"):
-        chunked_token_stats(h, w, targets, kernel="cuda")
+        token_stats(h, w, targets, kernel="cuda")
+
+
+@pytest.mark.parametrize("failure", ["raises", "wrong"])
+def test_auto_falls_back_to_the_chunked_head_when_the_first_use_check_fails(monkeypatch, caplog, failure):
+    """A Triton build that cannot compile the kernels, or computes them wrong, is caught by auto's check once:
+    one warning naming the key, then every call runs the chunked head."""
+    calls = []
+
+    class Broken:
+        @staticmethod
+        def apply(hidden, weight, bias, targets, cands, transform):
+            calls.append(hidden.shape[0])
+            if failure == "raises":
+                raise RuntimeError("out of resource: shared memory, Required: 262144, Hardware limit: 101376")
+            wrong = (hidden.sum(1) + weight.sum()) * 0 + 1.0  # differentiable, far from any log-prob
+            return wrong, wrong.detach(), wrong[:, None].expand(-1, cands.shape[1])
+
+    monkeypatch.setattr(fused_head, "unsupported", lambda hidden, interpreter=False: None)
+    monkeypatch.setattr(fused_head, "FusedHeadFunction", Broken)
+    monkeypatch.setattr(head, "_checked", {})
+    h, w, targets, cands = inputs()
+    with caplog.at_level("WARNING", logger="asyncgrpo_cli.model.head"):
+        first = token_stats(h, w, targets, candidate_ids=cands, kernel="auto")
+        second = token_stats(h, w, targets, candidate_ids=cands, kernel="auto")
+    ref = chunked_token_stats(h, w, targets, candidate_ids=cands)
+    assert torch.equal(first.logprobs, ref.logprobs) and torch.equal(second.logprobs, ref.logprobs)
+    assert calls == [64]  # the check alone (64 positions), once
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "model.lm_head_kernel=torch" in warnings[0]
+    assert ("out of resource" if failure == "raises" else "log-probs differ") in warnings[0]

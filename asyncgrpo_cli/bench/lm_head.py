@@ -110,6 +110,7 @@ def bench_shape(
     import torch
 
     from asyncgrpo_cli.model.chunked_head import LogitTransform, chunked_token_stats, dense_token_stats
+    from asyncgrpo_cli.model.head import token_stats
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -144,7 +145,7 @@ def bench_shape(
     if fused_reason(hidden) is None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        fused = _measure(runner(chunked_token_stats, kernel="triton"), device, args.repeats)
+        fused = _measure(runner(token_stats, kernel="triton"), device, args.repeats)
     return naive, chunked, fused
 
 

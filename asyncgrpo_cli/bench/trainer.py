@@ -131,7 +131,7 @@ def parse_args(argv: list[str]) -> TrainerBenchConfig:
 
 
 def _range_errors(cfg: TrainerBenchConfig) -> list[str]:
-    from asyncgrpo_cli.model.chunked_head import HEAD_KERNELS
+    from asyncgrpo_cli.model.head import HEAD_KERNELS
 
     checks = [
         (

@@ -56,10 +56,6 @@ the GPU waiting on Python (measured on an H200, 16k positions x 151,936 vocab: 1
 forward+backward, 8x the naive head)."""
 
 
-HEAD_KERNELS = ("auto", "torch", "triton")
-"""``model.lm_head_kernel`` values (:func:`chunked_token_stats`)."""
-
-
 def tile_shape(device: torch.device) -> tuple[int, int]:
     """(position_chunk, vocab_chunk) for tiles on ``device``."""
     if device.type == "cuda":
@@ -216,7 +212,7 @@ class ChunkedHeadFunction(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------------------------- entry points
-def _check_inputs(
+def check_inputs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
@@ -264,22 +260,15 @@ def chunked_token_stats(
     support_ids: torch.Tensor | None = None,
     vocab_chunk: int | None = None,
     position_chunk: int | None = None,
-    kernel: str = "torch",
 ) -> HeadStats:
     """Log-probs of ``targets`` [N], entropies and log-probs of ``candidate_ids`` [N, K] (-1 = absent) under
     softmax(transform(hidden Wᵀ + b)), optionally renormalized over ``support_ids`` [N, C] (see the module doc).
 
     Never forms more than a [position_chunk, vocab_chunk] tile of logits; gradients flow to hidden, weight and
     bias through the log-probs and candidate log-probs. ``candidate_logprobs`` is None when no ids are given.
-    Chunk sizes default by device (:func:`tile_shape`).
-
-    ``kernel`` (``model.lm_head_kernel``): ``torch`` runs the tiles here; ``triton`` the fused kernels of
-    ``model/fused_head.py`` (same outputs, no logits in memory; CUDA only, an error elsewhere); ``auto`` the fused
-    kernels where they can run. Calls with ``support_ids`` always run here (the fused kernels have no candidate
-    sets).
+    Chunk sizes default by device (:func:`tile_shape`). The trainer reaches this through ``model/head.py``, which
+    runs the fused Triton head instead where it can (``model.lm_head_kernel``).
     """
-    if kernel not in HEAD_KERNELS:
-        raise ValueError(f"model.lm_head_kernel={kernel!r}: use one of {', '.join(HEAD_KERNELS)}")
     default_positions, default_vocab = tile_shape(hidden.device)
     vocab_chunk = default_vocab if vocab_chunk is None else vocab_chunk
     position_chunk = default_positions if position_chunk is None else position_chunk
@@ -288,18 +277,7 @@ def chunked_token_stats(
     cands = candidate_ids
     if cands is None:
         cands = torch.empty(hidden.shape[0], 0, dtype=torch.long, device=hidden.device)
-    _check_inputs(hidden, weight, targets, cands, support_ids)
-    if kernel != "torch" and support_ids is None:
-        from asyncgrpo_cli.model import fused_head
-
-        why_not = fused_head.unsupported(hidden, interpreter=kernel == "triton")
-        if why_not is None:
-            logprobs, entropy, cand_logprobs = fused_head.FusedHeadFunction.apply(
-                hidden, weight, bias, targets, cands, transform
-            )
-            return HeadStats(logprobs, entropy, None if candidate_ids is None else cand_logprobs)
-        if kernel == "triton":
-            raise ValueError(f"model.lm_head_kernel=triton cannot run: {why_not}; use auto or torch")
+    check_inputs(hidden, weight, targets, cands, support_ids)
     logprobs, entropy, cand_logprobs = ChunkedHeadFunction.apply(
         hidden, weight, bias, targets, cands, support_ids, transform, vocab_chunk, position_chunk
     )

@@ -11,8 +11,8 @@ with ``cand = row.candidate_ids``, the ids of the row's top-k token extras (the 
 
 The head is ``model.get_output_embeddings()`` (tied models share the embedding weight through it); the model's
 ``logit_scale`` (Cohere) and ``final_logit_softcapping`` (Gemma) are applied before the temperature, as its own
-forward does. The projection is :func:`asyncgrpo_cli.model.chunked_head.chunked_token_stats`: on CUDA the fused
-Triton kernels of ``model/fused_head.py`` (``model.lm_head_kernel``), else tiles of
+forward does. The projection is :func:`asyncgrpo_cli.model.head.token_stats` (``model.lm_head_kernel``): on CUDA
+the fused Triton kernels of ``model/fused_head.py``, else the chunked head's tiles of
 positions x vocabulary entries (sized per device: ``chunked_head.tile_shape``) with an online logsumexp in fp32,
 recomputed in backward, so no [positions, vocab] logits are ever formed or kept. ``support_ids`` (optional, [N, C], -1 padding) renormalizes
 over each position's sampling candidate set (top-k / top-p masks returned by the server).
@@ -32,9 +32,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from asyncgrpo_cli.model.chunked_head import LogitTransform, chunked_token_stats
 from asyncgrpo_cli.model.flex import FLEX_IMPLS, row_block_mask
 from asyncgrpo_cli.model.gdn import layer_masks, recurrence_kwargs
+from asyncgrpo_cli.model.head import token_stats
+from asyncgrpo_cli.model.head_types import LogitTransform
 from asyncgrpo_cli.model.router import RouterAux, router_decoder_kwargs, row_aux_loss
 from asyncgrpo_cli.packing.row import PackedRow
 
@@ -139,7 +140,7 @@ def token_logprobs(
     sampling candidate set; log-probs, entropies and top-k log-probs are then renormalized over it (a row of only
     -1 keeps the full vocabulary). None (the default) normalizes over the full vocabulary. ``router``: also compute
     the row's router aux loss (``TokenStats.aux_loss``). ``head_kernel``: ``model.lm_head_kernel`` (auto, torch,
-    triton; see :func:`~asyncgrpo_cli.model.chunked_head.chunked_token_stats`).
+    triton; see ``model/head.py``).
     """
     if temperature <= 0:
         raise ValueError(f"sampling.temperature must be positive for training log-probs, got {temperature}")
@@ -154,7 +155,7 @@ def token_logprobs(
     )
     hidden = out.last_hidden_state[0].index_select(0, row.pred_index)
     weight, bias = _head(model)
-    stats = chunked_token_stats(
+    stats = token_stats(
         hidden,
         weight,
         row.target_ids,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncgrpo_cli.model.chunked_head import LogitTransform, chunked_token_stats
+from asyncgrpo_cli.model.head import token_stats
+from asyncgrpo_cli.model.head_types import LogitTransform
 
 pytestmark = pytest.mark.gpu
 
@@ -22,9 +23,7 @@ def make(n, hidden, vocab, k, dtype, bias=False, seed=0):
 
 
 def run(kernel, h, w, b, targets, cands, transform):
-    stats = chunked_token_stats(
-        h, w, targets, bias=b, transform=transform, candidate_ids=cands, kernel=kernel
-    )
+    stats = token_stats(h, w, targets, bias=b, transform=transform, candidate_ids=cands, kernel=kernel)
     gen = torch.Generator(device="cuda").manual_seed(1)
     live = torch.isfinite(stats.candidate_logprobs)
     loss = (stats.logprobs * torch.randn(stats.logprobs.shape, device="cuda", generator=gen)).sum()

@@ -89,3 +89,24 @@ def test_auto_falls_back_to_the_chunked_head_when_the_first_use_check_fails(monk
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "model.lm_head_kernel=torch" in warnings[0]
     assert ("out of resource" if failure == "raises" else "log-probs differ") in warnings[0]
+
+
+def test_the_first_use_check_runs_under_no_grad_and_inference_mode(monkeypatch):
+    """The trainer's first head call may come from a no-grad probe: the check still differentiates (here with the
+    chunked head standing in for the kernels, which agree with themselves)."""
+    from asyncgrpo_cli.model.chunked_head import ChunkedHeadFunction
+    from asyncgrpo_cli.model.head_types import LogitTransform
+
+    class Chunked:
+        @staticmethod
+        def apply(h, w, b, t, c, transform):
+            return ChunkedHeadFunction.apply(h, w, b, t, c, None, transform, 64, 16)
+
+    monkeypatch.setattr(fused_head, "FusedHeadFunction", Chunked)
+    monkeypatch.setattr(head, "_checked", {})
+    cpu, t = torch.device("cpu"), LogitTransform(0.7, softcap=3.0)
+    with torch.inference_mode():
+        assert head.fused_problem(cpu, torch.bfloat16, 32, torch.zeros(1), t, 5) is None
+    with torch.no_grad():
+        assert head.fused_problem(cpu, torch.float32, 32, None, LogitTransform(0.9), 1) is None
+    assert len(head._checked) == 2

@@ -81,7 +81,16 @@ def fused_problem(
     num_ids: int,
 ) -> str | None:
     """Why the fused head must not run for this combination (None: it passed its check), checked once."""
-    key = (device, dtype, hidden_size, bias is not None, transform, num_ids)
+    # What the kernels are compiled for: the transform's value (a temperature) needs no check of its own.
+    key = (
+        device,
+        dtype,
+        hidden_size,
+        bias is not None,
+        transform.scale is None,
+        transform.softcap is None,
+        num_ids,
+    )
     if key not in _checked:
         problem = _check(device, dtype, hidden_size, bias is not None, transform, num_ids)
         if problem is not None:
@@ -107,6 +116,32 @@ def _check(
     ids: int,
 ) -> str | None:
     """Forward + backward of both heads on 64 positions x 300 vocabulary entries; None when they agree."""
+    with torch.inference_mode(False), torch.enable_grad():  # the first use may be under no_grad / inference
+        try:
+            results = _both_heads(device, dtype, hidden_size, with_bias, transform, ids)
+        except Exception as exc:  # a compile or launch failure of this Triton build: reported, never fatal
+            text = str(exc).strip().splitlines()
+            return f"{type(exc).__name__}: {text[0][:200].rstrip('.') if text else ''}"
+    (got, got_grads), (want, want_grads) = results
+    err = float((got - want).abs().max())
+    if not err <= CHECK_TOLERANCE:
+        return f"its log-probs differ from the chunked head's by {err:.3g}"
+    for g, w in zip(got_grads, want_grads, strict=True):
+        rel = float((g - w).norm() / w.norm().clamp_min(1e-30))
+        if not rel <= CHECK_TOLERANCE:
+            return f"its gradients differ from the chunked head's by {rel:.3g} (relative)"
+    return None
+
+
+def _both_heads(
+    device: torch.device,
+    dtype: torch.dtype,
+    hidden_size: int,
+    with_bias: bool,
+    transform: LogitTransform,
+    ids: int,
+) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """(log-probs, gradients of h, W and b) of the fused and the chunked head on one random problem."""
     gen = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -119,28 +154,13 @@ def _check(
     targets = torch.randint(0, vocab, (n,), device=device, generator=gen)
     cands = torch.randint(-1, vocab, (n, ids - 1), device=device, generator=gen)
     results = []
-    try:
-        with torch.enable_grad():
-            for fn in (
-                lambda: fused_head.FusedHeadFunction.apply(*leaves, targets, cands, transform),
-                lambda: chunked_head.ChunkedHeadFunction.apply(
-                    *leaves, targets, cands, None, transform, 128, 32
-                ),
-            ):
-                logprobs, _, cand = fn()
-                live = torch.isfinite(cand)
-                loss = logprobs.sum() + torch.where(live, cand, 0).exp().sum()
-                grads = torch.autograd.grad(loss, [x for x in leaves if x is not None])
-                results.append((logprobs.detach().float(), [g.float() for g in grads]))
-    except Exception as exc:  # a compile or launch failure of this Triton build: reported, never fatal
-        text = str(exc).strip().splitlines()
-        return f"{type(exc).__name__}: {text[0][:200].rstrip('.') if text else ''}"
-    (got, got_grads), (want, want_grads) = results
-    err = float((got - want).abs().max())
-    if not err <= CHECK_TOLERANCE:
-        return f"its log-probs differ from the chunked head's by {err:.3g}"
-    for g, w in zip(got_grads, want_grads, strict=True):
-        rel = float((g - w).norm() / w.norm().clamp_min(1e-30))
-        if not rel <= CHECK_TOLERANCE:
-            return f"its gradients differ from the chunked head's by {rel:.3g} (relative)"
-    return None
+    for fn in (
+        lambda: fused_head.FusedHeadFunction.apply(*leaves, targets, cands, transform),
+        lambda: chunked_head.ChunkedHeadFunction.apply(*leaves, targets, cands, None, transform, 128, 32),
+    ):
+        logprobs, _, cand = fn()
+        live = torch.isfinite(cand)
+        loss = logprobs.sum() + torch.where(live, cand, 0).exp().sum()
+        grads = torch.autograd.grad(loss, [x for x in leaves if x is not None])
+        results.append((logprobs.detach().float(), [g.float() for g in grads]))
+    return results

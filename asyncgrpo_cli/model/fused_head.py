@@ -4,14 +4,14 @@ write a logit to memory in forward and write only one bf16 tile of logit gradien
 Same contract and formulas as :class:`~asyncgrpo_cli.model.chunked_head.ChunkedHeadFunction` (read its module
 doc for z, log Z, the entropy and the candidate log-probs); what differs is where the work runs:
 
-- **Forward** (``_forward_kernel``): each program owns ``BLOCK_N`` positions and one slice of the vocabulary
+- **Forward** (``forward_kernel``): each program owns ``BLOCK_N`` positions and one slice of the vocabulary
   (the vocabulary is split so the grid fills the GPU at any N). It loops over ``BLOCK_V``-wide blocks of its
   slice; each block's fp32 logits come from ``tl.dot`` over the hidden dimension and stay in registers: the
   transform (scale, soft-cap, 1/T) is applied there, the online logsumexp state (running max m, Σ e^(z-m),
   Σ e^(z-m)·z) is updated, and the logits at the target and candidate ids are picked by comparing the block's
   column ids with each id (one compare-and-select per id; ``NUM_IDS`` is a compile-time constant; measured
-  faster than a register gather, ``tl.gather``, on an H200). Each program writes its slice's (m, s, a) and picks; a few [splits, N]
-  torch ops combine the slices. The chunked head needs ~25 element-wise launches and several fp32 [n, v] round
+  faster than a register gather, ``tl.gather``, on an H200). Each program writes its slice's (m, s, a) and
+  picks; a few [splits, N] torch ops combine the slices. The chunked head needs ~25 element-wise launches and several fp32 [n, v] round
   trips through memory per tile for the same numbers.
 - **Backward** (``grad_kernel``): one program per [BLOCK_N, BLOCK_V] block of a tile recomputes the block's
   logits the same way and writes the dense part of ∂L/∂x, -G·p_v·∂z/∂x, in the weight dtype into a [positions,
@@ -23,8 +23,8 @@ doc for z, log Z, the entropy and the candidate log-probs); what differs is wher
 
 Logits are accumulated in fp32 by the kernels (the chunked and dense heads round the matmul's output to the
 weight dtype first), so bf16 results differ from theirs by that rounding; fp32 inputs run the dot in IEEE fp32
-(no TF32) and agree to rounding. Candidate sets (``support_ids``) are not handled here: ``chunked_token_stats``
-runs the chunked head for them.
+(no TF32) and agree to rounding. Candidate sets (``support_ids``) are not handled here: ``model/head.py`` runs
+the chunked head for them, and chooses between the two heads (``model.lm_head_kernel``).
 
 Hand-written because no maintained library kernel computes this set of outputs: fused linear cross-entropy
 kernels (Liger, Apple's cut-cross-entropy) return the target's log-prob or a reduced loss, not the entropy and

@@ -16,7 +16,7 @@
 - **What it cost** (:class:`CompileMeter`): dynamo calls its compile callbacks around every graph it compiles,
   forward frames and the backward graphs it compiles lazily at the first backward; the meter adds up the wall time
   between them and counts them. The trainer logs a step that compiled and records ``perf/compile_total_s`` and
-  ``perf/compile_count`` for every step (0 once warm: a non-zero value later is a recompile).
+  ``perf/compiles_total`` for every step (0 once warm: a non-zero value later is a recompile).
 
 Imports torch only inside the functions that need it (``asyncgrpo check`` imports this module for the plan).
 """

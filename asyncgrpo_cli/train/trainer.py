@@ -262,7 +262,7 @@ class Trainer:
         """What torch.compile spent in this step (``train/compile.py``): 0 once warm; a step that compiled is logged."""
         seconds, count = self._compile_meter.take()
         self.window.add("perf/compile_total_s", seconds)
-        self.window.add("perf/compile_count", count)
+        self.window.add("perf/compiles_total", count)
         if count:
             logger.info(
                 "trainer.compile=%s: step %d took %.1f s, %.1f s of it compiling (%d compile(s))",

@@ -212,6 +212,21 @@ class ChunkedHeadFunction(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------------------------- entry points
+def checked_candidates(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    candidate_ids: torch.Tensor | None,
+    support_ids: torch.Tensor | None,
+) -> torch.Tensor:
+    """``candidate_ids`` as the [N, K] tensor the head functions take (K = 0 for None), after :func:`check_inputs`."""
+    cands = candidate_ids
+    if cands is None:
+        cands = torch.empty(hidden.shape[0], 0, dtype=torch.long, device=hidden.device)
+    check_inputs(hidden, weight, targets, cands, support_ids)
+    return cands
+
+
 def check_inputs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -274,10 +289,7 @@ def chunked_token_stats(
     position_chunk = default_positions if position_chunk is None else position_chunk
     if vocab_chunk < 1 or position_chunk < 1:
         raise ValueError(f"chunk sizes must be positive, got vocab {vocab_chunk}, positions {position_chunk}")
-    cands = candidate_ids
-    if cands is None:
-        cands = torch.empty(hidden.shape[0], 0, dtype=torch.long, device=hidden.device)
-    check_inputs(hidden, weight, targets, cands, support_ids)
+    cands = checked_candidates(hidden, weight, targets, candidate_ids, support_ids)
     logprobs, entropy, cand_logprobs = ChunkedHeadFunction.apply(
         hidden, weight, bias, targets, cands, support_ids, transform, vocab_chunk, position_chunk
     )

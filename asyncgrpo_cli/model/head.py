@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import torch
 
@@ -62,10 +63,7 @@ def token_stats(
         hidden.device, weight.dtype, weight.shape[1], bias, transform, num_ids
     ):
         return chunked_head.chunked_token_stats(hidden, weight, targets, **kw)
-    cands = candidate_ids
-    if cands is None:
-        cands = torch.empty(hidden.shape[0], 0, dtype=torch.long, device=hidden.device)
-    chunked_head.check_inputs(hidden, weight, targets, cands, None)
+    cands = chunked_head.checked_candidates(hidden, weight, targets, candidate_ids, None)
     logprobs, entropy, cand_logprobs = fused_head.FusedHeadFunction.apply(
         hidden, weight, bias, targets, cands, transform
     )
@@ -107,18 +105,11 @@ def fused_problem(
     return _checked[key]
 
 
-def _check(
-    device: torch.device,
-    dtype: torch.dtype,
-    hidden_size: int,
-    with_bias: bool,
-    transform: LogitTransform,
-    ids: int,
-) -> str | None:
-    """Forward + backward of both heads on 64 positions x 300 vocabulary entries; None when they agree."""
+def _check(*problem: Any) -> str | None:
+    """Forward + backward of both heads on :func:`_both_heads`' ``problem``; None when they agree."""
     with torch.inference_mode(False), torch.enable_grad():  # the first use may be under no_grad / inference
         try:
-            results = _both_heads(device, dtype, hidden_size, with_bias, transform, ids)
+            results = _both_heads(*problem)
         except Exception as exc:  # a compile or launch failure of this Triton build: reported, never fatal
             text = str(exc).strip().splitlines()
             return f"{type(exc).__name__}: {text[0][:200].rstrip('.') if text else ''}"

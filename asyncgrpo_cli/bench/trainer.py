@@ -406,6 +406,7 @@ def bench_shape(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, roo
         "tokens_per_step": tokens,
         "step_s": mean_step,
         "step_s_min": float(np.min(step_s)),
+        "step_s_max": float(np.max(step_s)),
         "optimizer_s": float(np.mean(opt_max)),
         "tokens_per_s": tokens / mean_step,
         "tokens_per_s_per_gpu": tokens / mean_step / info.world_size,
@@ -560,6 +561,12 @@ def main(argv: list[str]) -> None:
                 add_efficiency(result, baseline)
                 results.append(result)
                 print(table_row(result), flush=True)
+                if result["mfu"] is not None and result["step_s_max"] > 1.3 * result["step_s_min"]:
+                    print(
+                        f"  note: timed steps took {result['step_s_min']:.3f}-{result['step_s_max']:.3f} s: "
+                        "something compiled or synchronized inside them; raise warmup= or steps=",
+                        flush=True,
+                    )
                 if cfg.out:
                     doc = {
                         "config": asdict(cfg),

@@ -2,6 +2,12 @@
 
 A module of its own because Triton resolves the helpers a kernel calls among the module's globals, and importing
 it requires Triton: ``fused_head`` imports it only when the fused head runs.
+
+The position count ``n_pos`` (and the backward's ``v0``) change from call to call, so the kernels do not let
+Triton specialize on them: by default a Triton kernel compiles a new variant the first time an integer argument
+is divisible by 16 (or equals 1), which cost a ~1.4 s recompile in a random training step when the number of
+trained positions happened to be a multiple of 16 (docs/benchmarks.md). Strides and the vocabulary are fixed for
+a run and stay specialized.
 """
 
 # ruff: noqa: N803 (Triton's compile-time constants are upper case by convention)
@@ -41,7 +47,7 @@ def _logits(
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pos"])
 def forward_kernel(
     h_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, a_ptr, pick_ptr,
     n_pos, vocab, stride_h, stride_w, scale, softcap, inv_temp, HIDDEN: tl.constexpr,
@@ -85,7 +91,7 @@ def forward_kernel(
     tl.store(pick_at, picked, row_ok[:, None] & (slots[None, :] < NUM_IDS))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pos", "v0"])
 def grad_kernel(
     h_ptr, w_ptr, b_ptr, gsum_ptr, logz_ptr, dx_ptr,
     n_pos, n_vocab, stride_h, stride_w, stride_dx, v0, scale, softcap, inv_temp, slope_factor,

@@ -103,3 +103,24 @@ def test_token_logprobs_on_cuda_equal_the_chunked_head():
     torch.testing.assert_close(lp, lp_ref, atol=1e-5, rtol=1e-5)
     for name, g in grads.items():
         torch.testing.assert_close(g, grads_ref[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def compiled_variants(kernel) -> int:
+    """How many binaries Triton holds for ``kernel`` (its per-device caches; Triton 3.x)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps no device_caches on its kernels")
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+def test_position_counts_compile_no_new_kernel_variants():
+    """The number of trained positions changes every step: a count divisible by 16 (or 1) must not compile another
+    variant of either kernel (Triton specializes integer arguments by default)."""
+    from asyncgrpo_cli.model import fused_head_kernels as kernels
+
+    transform = LogitTransform(0.7)
+    run("triton", *make(100, 256, 5003, 4, torch.bfloat16), transform)
+    before = [compiled_variants(k) for k in (kernels.forward_kernel, kernels.grad_kernel)]
+    for n in (128, 1, 256, 77, 4096):
+        run("triton", *make(n, 256, 5003, 4, torch.bfloat16, seed=n), transform)
+    assert [compiled_variants(k) for k in (kernels.forward_kernel, kernels.grad_kernel)] == before

@@ -89,6 +89,19 @@ def test_shapes_that_do_not_fill_blocks(fused, shape):
     assert_close_to_chunked(fused.FusedHeadFunction.apply, *inputs(**shape), TRANSFORMS["temperature"])
 
 
+def test_many_chunks_of_positions_and_vocabulary(fused, monkeypatch):
+    """Forward chunks of 7 positions, backward tiles of 9 positions x 64 vocabulary entries (the last one 1 wide):
+    the fp32 accumulation of grad_W over position chunks and of grad_h over vocabulary tiles."""
+    monkeypatch.setattr(fused, "STATS_TILE_ELEMENTS", 7 * 257)
+    monkeypatch.setattr(fused, "GRAD_VOCAB_CHUNK", 64)
+    monkeypatch.setattr(fused, "GRAD_TILE_ELEMENTS", 9 * 64)
+    assert_close_to_chunked(
+        fused.FusedHeadFunction.apply,
+        *inputs(n=40, vocab=257, hidden=20, k=3, bias=True),
+        TRANSFORMS["temperature"],
+    )
+
+
 def test_gradient_through_the_target_alone(fused):
     assert_close_to_chunked(
         fused.FusedHeadFunction.apply, *inputs(), TRANSFORMS["scale_softcap"], use_cands=False

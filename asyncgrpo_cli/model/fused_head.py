@@ -1,18 +1,18 @@
-"""Fused LM head: the chunked head's statistics (``model/chunked_head.py``) from two Triton kernels that never
-write a logit to memory in forward and write only one bf16 tile of logit gradients at a time in backward.
+"""Fused LM head: the chunked head's statistics (``model/chunked_head.py``) from cuBLAS matmuls and two Triton
+kernels, with one fp32 chunk of logits in memory in forward and one bf16 tile of logit gradients in backward.
 
 Same contract and formulas as :class:`~asyncgrpo_cli.model.chunked_head.ChunkedHeadFunction` (read its module
 doc for z, log Z, the entropy and the candidate log-probs); what differs is where the work runs:
 
-- **Forward** (``forward_kernel``): each program owns ``BLOCK_N`` positions and one slice of the vocabulary
-  (the vocabulary is split so the grid fills the GPU at any N). It loops over ``BLOCK_V``-wide blocks of its
-  slice; each block's fp32 logits come from ``tl.dot`` over the hidden dimension and stay in registers: the
-  transform (scale, soft-cap, 1/T) is applied there, the online logsumexp state (running max m, Σ e^(z-m),
-  Σ e^(z-m)·z) is updated, and the logits at the target and candidate ids are picked by comparing the block's
-  column ids with each id (one compare-and-select per id; ``NUM_IDS`` is a compile-time constant; measured
-  faster than a register gather, ``tl.gather``, on an H200). Each program writes its slice's (m, s, a) and
-  picks; a few [splits, N] torch ops combine the slices. The chunked head needs ~25 element-wise launches and several fp32 [n, v] round
-  trips through memory per tile for the same numbers.
+- **Forward** (``stats_kernel``): cuBLAS writes the raw logits of a chunk of positions (all of the vocabulary,
+  at most ``STATS_TILE_ELEMENTS``, 512 MiB) in fp32 (``torch.mm(..., out_dtype=torch.float32)``: fp32
+  accumulation, no rounding to bf16); one program per row then applies the transform (bias, scale, soft-cap,
+  1/T), keeps the online logsumexp state (running max m, Σ e^(z-m), Σ e^(z-m)·z) over ``STATS_BLOCK_V``-wide
+  blocks and loads the logits at the target and candidate ids, and writes log Z, the entropy and those logits.
+  An earlier forward did the matmul inside a Triton kernel too, the logits never leaving registers; cuBLAS's
+  matmul runs near the GPU's peak and Triton's at about half of it, so the fp32 round trip is the faster way:
+  forward 19.6 vs 34.6 ms for 16,384 positions x 2,048 x 151,936 on an H200 (docs/benchmarks.md). The chunked
+  head needs ~25 element-wise launches and several fp32 [n, v] round trips per tile for the same numbers.
 - **Backward** (``grad_kernel``): one program per [BLOCK_N, BLOCK_V] block of a tile recomputes the block's
   logits the same way and writes the dense part of ∂L/∂x, -G·p_v·∂z/∂x, in the weight dtype into a [positions,
   vocab] tile buffer (at most ``GRAD_TILE_ELEMENTS`` entries, 256 MiB in bf16). The target and candidate columns
@@ -21,8 +21,8 @@ doc for z, log Z, the entropy and the candidate log-probs); what differs is wher
   would cancel catastrophically in bf16 where p_target is close to 1). Two cuBLAS matmuls per tile then give
   grad_h += ∂L/∂x · W_tile and grad_W_tile += ∂L/∂xᵀ · h, as in the chunked head.
 
-Logits are accumulated in fp32 by the kernels (the chunked and dense heads round the matmul's output to the
-weight dtype first), so bf16 results differ from theirs by that rounding; fp32 inputs run the dot in IEEE fp32
+Logits are accumulated and kept in fp32 (the chunked and dense heads round the matmul's output to the weight
+dtype first), so bf16 results differ from theirs by that rounding; fp32 inputs run the dot in IEEE fp32
 (no TF32) and agree to rounding. Candidate sets (``support_ids``) are not handled here: ``model/head.py`` runs
 the chunked head for them, and chooses between the two heads (``model.lm_head_kernel``).
 
@@ -90,12 +90,11 @@ def _kernels() -> tuple[Any, Any]:
     """The Triton kernels (Triton is imported only when the fused head runs)."""
     from asyncgrpo_cli.model import fused_head_kernels
 
-    return fused_head_kernels.forward_kernel, fused_head_kernels.grad_kernel
+    return fused_head_kernels.grad_kernel, fused_head_kernels.stats_kernel
 
 
-FORWARD_BLOCKS = dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, num_warps=8, num_stages=3)
 GRAD_BLOCKS = dict(BLOCK_N=128, BLOCK_V=256, BLOCK_D=64, num_warps=8, num_stages=3)
-"""Tile sizes and launch options of the two kernels on GPUs (measured on an H200: docs/benchmarks.md)."""
+"""Tile sizes and launch options of ``grad_kernel`` on GPUs (measured on an H200: docs/benchmarks.md)."""
 
 
 def _blocks(dtype: torch.dtype, tuned: dict[str, int]) -> dict[str, Any]:
@@ -106,11 +105,11 @@ def _blocks(dtype: torch.dtype, tuned: dict[str, int]) -> dict[str, Any]:
     return dict(tuned, PRECISION=precision)
 
 
-SPLIT_BLOCKS = 64
-"""Vocabulary blocks per forward program (8,192 entries at BLOCK_V = 128; 19 slices of Qwen3's vocabulary, so
-4k positions already give ~600 programs). A compile-time constant: the slice width must not depend on N, or
-every row length would compile the kernel again."""
-INTERPRETER_SPLIT_BLOCKS = 2
+STATS_TILE_ELEMENTS = 1 << 27
+"""fp32 raw logits per forward chunk (512 MiB): 883 positions of Qwen3's 151,936-entry vocabulary."""
+STATS_BLOCK_V = 2048
+"""Vocabulary entries per block of ``stats_kernel``'s row loop (128 under the interpreter)."""
+STATS_LAUNCH = dict(num_warps=8)
 
 
 def _transform_args(transform: LogitTransform) -> dict[str, Any]:
@@ -123,42 +122,46 @@ def _transform_args(transform: LogitTransform) -> dict[str, Any]:
     )
 
 
+def _stats_from_cublas(h, w, bias, ids, transform: LogitTransform):
+    """(log Z, entropy, transformed logits at ids [N, 1 + K], -inf for absent candidates): per chunk of
+    positions, cuBLAS's fp32 raw logits, then ``stats_kernel`` reduces each row in one pass."""
+    stats_kernel = _kernels()[1]
+    n_pos, vocab, num_ids = h.shape[0], w.shape[0], ids.shape[1]
+    f32 = dict(dtype=torch.float32, device=h.device)
+    log_z, entropy = torch.empty(n_pos, **f32), torch.empty(n_pos, **f32)
+    picked = torch.empty(n_pos, num_ids, **f32)
+    rows = max(1, min(n_pos, STATS_TILE_ELEMENTS // vocab))
+    tile = torch.empty(rows, vocab, **f32)
+    block_v = 128 if _interpreting() else STATS_BLOCK_V
+    for p0 in range(0, n_pos, rows):
+        p1 = min(p0 + rows, n_pos)
+        raw = raw_logits(h[p0:p1], w, tile[: p1 - p0])
+        stats_kernel[(p1 - p0,)](
+            raw, w if bias is None else bias, ids, log_z, entropy, picked, p0, raw.stride(0),
+            VOCAB=vocab, HAS_BIAS=bias is not None, NUM_IDS=num_ids,
+            IDS_P=max(2, 1 << (num_ids - 1).bit_length()), BLOCK_V=block_v,
+            **_transform_args(transform), **({} if _interpreting() else STATS_LAUNCH),
+        )  # fmt: skip
+    return log_z, entropy, picked
+
+
+def raw_logits(h: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """h @ wᵀ into the fp32 ``out``: cuBLAS accumulates in fp32 and writes fp32 (no bf16 rounding) on CUDA."""
+    if h.is_cuda and h.dtype != torch.float32:
+        return torch.mm(h, w.T, out_dtype=torch.float32, out=out)
+    return torch.mm(h.float(), w.float().T, out=out)
+
+
 # ------------------------------------------------------------------------------------------------- autograd
 class FusedHeadFunction(torch.autograd.Function):
     """(hidden, weight, bias, targets, candidate_ids, transform) -> (logprobs, entropy, candidate_logprobs)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, candidate_ids, transform: LogitTransform):
-        forward_kernel, _ = _kernels()
-        n_pos, n_hidden = hidden.shape
-        vocab = weight.shape[0]
         h = hidden.to(weight.dtype).contiguous()
         w = weight.contiguous()
         ids = torch.cat([targets[:, None], candidate_ids], dim=1).contiguous()  # [N, 1 + K], int64
-        num_ids = ids.shape[1]
-        ids_p = max(2, 1 << (num_ids - 1).bit_length())
-        blocks = _blocks(w.dtype, FORWARD_BLOCKS)
-        n_blocks = -(-n_pos // blocks["BLOCK_N"])
-        split_blocks = INTERPRETER_SPLIT_BLOCKS if _interpreting() else SPLIT_BLOCKS
-        splits = -(-vocab // (split_blocks * blocks["BLOCK_V"]))
-        f32 = dict(dtype=torch.float32, device=hidden.device)
-        m = torch.empty(splits, n_pos, **f32)
-        s = torch.empty(splits, n_pos, **f32)
-        a = torch.empty(splits, n_pos, **f32)
-        picks = torch.empty(splits, n_pos, ids_p, **f32)
-        if n_pos:
-            forward_kernel[(n_blocks, splits)](
-                h, w, w if bias is None else bias, ids, m, s, a, picks,
-                n_pos, vocab, h.stride(0), w.stride(0), HIDDEN=n_hidden, SPLIT_BLOCKS=split_blocks,
-                HAS_BIAS=bias is not None, NUM_IDS=num_ids, IDS_P=ids_p,
-                **_transform_args(transform), **blocks,
-            )  # fmt: skip
-        top = m.amax(0)
-        weight_of_split = torch.exp(m - top)
-        total = (s * weight_of_split).sum(0)
-        log_z = top + total.log()
-        entropy = log_z - (a * weight_of_split).sum(0) / total
-        picked = picks[..., :num_ids].amax(0)  # z at the ids; -inf for absent candidates
+        log_z, entropy, picked = _stats_from_cublas(h, w, bias, ids, transform)
         out = picked - log_z[:, None]
         logprobs, cand_logprobs = out[:, 0].contiguous(), out[:, 1:].contiguous()
         ctx.save_for_backward(hidden, weight, bias, ids, picked, log_z)
@@ -179,7 +182,7 @@ class FusedHeadFunction(torch.autograd.Function):
             zeros = [torch.zeros_like(x) if need and x is not None else None for x, need in zip(
                 (hidden, weight, bias), (need_h, need_w, need_b), strict=True)]  # fmt: skip
             return (*zeros, None, None, None)
-        _, grad_kernel = _kernels()
+        grad_kernel = _kernels()[0]
         vocab = weight.shape[0]
         transform = ctx.transform
         f32 = dict(dtype=torch.float32, device=hidden.device)

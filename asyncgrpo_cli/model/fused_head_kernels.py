@@ -3,7 +3,7 @@
 A module of its own because Triton resolves the helpers a kernel calls among the module's globals, and importing
 it requires Triton: ``fused_head`` imports it only when the fused head runs.
 
-The position count ``n_pos`` (and the backward's ``v0``) change from call to call, so the kernels do not let
+The position count ``n_pos``, the first row ``row0`` and the backward's ``v0`` change from call to call, so the kernels do not let
 Triton specialize on them: by default a Triton kernel compiles a new variant the first time an integer argument
 is divisible by 16 (or equals 1), which cost a ~1.4 s recompile in a random training step when the number of
 trained positions happened to be a multiple of 16 (docs/benchmarks.md). Strides and the vocabulary are fixed for
@@ -47,50 +47,6 @@ def _logits(
     return acc
 
 
-@triton.jit(do_not_specialize=["n_pos"])
-def forward_kernel(
-    h_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, a_ptr, pick_ptr,
-    n_pos, vocab, stride_h, stride_w, scale, softcap, inv_temp, HIDDEN: tl.constexpr,
-    SPLIT_BLOCKS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NUM_IDS: tl.constexpr,
-    IDS_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
-    pid_n, split = tl.program_id(0), tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < n_pos
-    slots = tl.arange(0, IDS_P)
-    v_lo = split * (SPLIT_BLOCKS * BLOCK_V)  # the last slice's blocks may overrun the vocabulary
-    run_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    run_sum = tl.zeros((BLOCK_N,), tl.float32)
-    run_dot = tl.zeros((BLOCK_N,), tl.float32)
-    picked = tl.full((BLOCK_N, IDS_P), float("-inf"), tl.float32)
-    for block in range(0, SPLIT_BLOCKS):
-        cols = v_lo + block * BLOCK_V + tl.arange(0, BLOCK_V)
-        col_ok = cols < vocab
-        acc = _logits(
-            h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, stride_h, stride_w, HIDDEN,
-            HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
-        )  # fmt: skip
-        z = _transform(acc, scale, softcap, inv_temp, HAS_SCALE, HAS_SOFTCAP)
-        z_in = tl.where(col_ok[None, :], z, float("-inf"))  # z stays finite (0) past the vocabulary
-        new_max = tl.maximum(run_max, tl.max(z_in, 1))  # finite: a slice's first block has a valid column
-        e = tl.exp(z_in - new_max[:, None])
-        decay = tl.exp(run_max - new_max)
-        run_sum = run_sum * decay + tl.sum(e, 1)
-        run_dot = run_dot * decay + tl.sum(e * z, 1)
-        run_max = new_max
-        for j in tl.static_range(NUM_IDS):  # a compare-and-select per id: cheaper than tl.gather on an H200
-            ids = tl.load(ids_ptr + rows * NUM_IDS + j, row_ok, -1)
-            hit = tl.max(tl.where(cols[None, :] == ids[:, None], z_in, float("-inf")), 1)
-            picked = tl.where(slots[None, :] == j, tl.maximum(picked, hit[:, None]), picked)
-    out = split * n_pos + rows
-    tl.store(m_ptr + out, run_max, row_ok)
-    tl.store(s_ptr + out, run_sum, row_ok)
-    tl.store(a_ptr + out, run_dot, row_ok)
-    pick_at = pick_ptr + out[:, None] * IDS_P + slots[None, :]
-    tl.store(pick_at, picked, row_ok[:, None] & (slots[None, :] < NUM_IDS))
-
-
 @triton.jit(do_not_specialize=["n_pos", "v0"])
 def grad_kernel(
     h_ptr, w_ptr, b_ptr, gsum_ptr, logz_ptr, dx_ptr,
@@ -121,3 +77,45 @@ def grad_kernel(
         grad = grad * slope_factor
     ok = row_ok[:, None] & col_ok[None, :]
     tl.store(dx_ptr + rows[:, None] * stride_dx + local[None, :], grad.to(dx_ptr.dtype.element_ty), ok)
+
+
+@triton.jit(do_not_specialize=["row0"])
+def stats_kernel(
+    z_ptr, b_ptr, ids_ptr, logz_ptr, ent_ptr, pick_ptr, row0, stride_z, scale, softcap, inv_temp,
+    VOCAB: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NUM_IDS: tl.constexpr,
+    IDS_P: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """One row of raw fp32 logits (cuBLAS's output, ``z_ptr`` row ``r``) -> log Z, entropy and the transformed
+    logits at the row's ids, written at position ``row0 + r``: an online logsumexp over the row in blocks."""
+    r = tl.program_id(0)
+    row = z_ptr + r.to(tl.int64) * stride_z
+    run_max = tl.full((), float("-inf"), tl.float32)
+    run_sum = tl.zeros((), tl.float32)
+    run_dot = tl.zeros((), tl.float32)
+    for v0 in range(0, VOCAB, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        ok = cols < VOCAB
+        raw = tl.load(row + cols, ok, 0.0)
+        if HAS_BIAS:
+            raw += tl.load(b_ptr + cols, ok, 0.0).to(tl.float32)
+        z = _transform(raw, scale, softcap, inv_temp, HAS_SCALE, HAS_SOFTCAP)
+        z_in = tl.where(ok, z, float("-inf"))
+        new_max = tl.maximum(run_max, tl.max(z_in, 0))
+        e = tl.exp(z_in - new_max)
+        decay = tl.exp(run_max - new_max)
+        run_sum = run_sum * decay + tl.sum(e, 0)
+        run_dot = run_dot * decay + tl.sum(tl.where(ok, e * z, 0.0), 0)
+        run_max = new_max
+    log_z = run_max + tl.log(run_sum)
+    at = row0 + r
+    tl.store(logz_ptr + at, log_z)
+    tl.store(ent_ptr + at, log_z - run_dot / run_sum)
+    slots = tl.arange(0, IDS_P)
+    slot_ok = slots < NUM_IDS
+    ids = tl.load(ids_ptr + at.to(tl.int64) * NUM_IDS + slots, slot_ok, -1)
+    live = slot_ok & (ids >= 0) & (ids < VOCAB)
+    raw = tl.load(row + ids, live, 0.0)
+    if HAS_BIAS:
+        raw += tl.load(b_ptr + ids, live, 0.0).to(tl.float32)
+    z = _transform(raw, scale, softcap, inv_temp, HAS_SCALE, HAS_SOFTCAP)
+    tl.store(pick_ptr + at.to(tl.int64) * NUM_IDS + slots, tl.where(live, z, float("-inf")), slot_ok)

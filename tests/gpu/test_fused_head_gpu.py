@@ -120,7 +120,7 @@ def test_position_counts_compile_no_new_kernel_variants():
 
     transform = LogitTransform(0.7)
     run("triton", *make(100, 256, 5003, 4, torch.bfloat16), transform)
-    before = [compiled_variants(k) for k in (kernels.forward_kernel, kernels.grad_kernel)]
+    before = [compiled_variants(k) for k in (kernels.stats_kernel, kernels.grad_kernel)]
     for n in (128, 1, 256, 77, 4096):
         run("triton", *make(n, 256, 5003, 4, torch.bfloat16, seed=n), transform)
-    assert [compiled_variants(k) for k in (kernels.forward_kernel, kernels.grad_kernel)] == before
+    assert [compiled_variants(k) for k in (kernels.stats_kernel, kernels.grad_kernel)] == before

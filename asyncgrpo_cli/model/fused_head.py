@@ -60,17 +60,15 @@ def unsupported(hidden: torch.Tensor, interpreter: bool = False) -> str | None:
     ``triton`` choice), CPU tensors run under Triton's interpreter when ``TRITON_INTERPRET=1`` (tests)."""
     if hidden.device.type != "cuda" and not (interpreter and _interpreting()):
         return f"the fused head runs on CUDA (hidden states are on {hidden.device.type})"
-    reason = triton_missing()
-    if reason is not None:
-        return reason
-    return None
+    return triton_missing() or mm_fp32_out_missing()
 
 
 def head_that_runs(kernel: str, device: torch.device | str) -> str:
     """``model.lm_head_kernel`` -> the head that runs on ``device`` (rows without candidate sets): triton or torch."""
     if kernel == "torch":
         return "torch"
-    if kernel == "triton" or (torch.device(device).type == "cuda" and triton_missing() is None):
+    missing = triton_missing() or mm_fp32_out_missing()
+    if kernel == "triton" or (torch.device(device).type == "cuda" and missing is None):
         return "triton"
     return "torch"
 
@@ -83,6 +81,18 @@ def triton_missing() -> str | None:
     except ImportError as exc:  # pragma: no cover - depends on the install
         return f"Triton is not installed ({exc}); install triton or set model.lm_head_kernel=torch"
     return None
+
+
+@functools.cache
+def mm_fp32_out_missing() -> str | None:
+    """None when ``torch.mm`` can write fp32 from bf16 / fp16 inputs (``out_dtype``, torch >= 2.8), which the
+    forward's raw logits need; else the reason."""
+    if "dtype_out" in torch.ops.aten.mm.overloads():
+        return None
+    return (  # pragma: no cover - depends on the install
+        f"torch {torch.__version__} has no torch.mm(..., out_dtype=torch.float32) (torch >= 2.8 has); upgrade torch "
+        "or set model.lm_head_kernel=torch"
+    )
 
 
 # ------------------------------------------------------------------------------------------------- kernels

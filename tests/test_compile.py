@@ -164,9 +164,8 @@ def test_a_step_that_compiled_is_logged_and_every_step_records_its_compile_time(
         "trainer.compile=auto: step 1 took 14.0 s, 12.5 s of it compiling (3 compile(s))"
     ]
     reduced = trainer.window.reduce()
-    assert (
-        reduced["perf/compile_total_s"] == 12.5 and reduced["perf/compiles_total"] == 3
-    )  # summed per window
+    # summed per window
+    assert reduced["perf/compile_total_s"] == 12.5 and reduced["perf/compiles_total"] == 3
 
 
 @pytest.mark.slow

@@ -60,33 +60,27 @@ def unsupported(hidden: torch.Tensor, interpreter: bool = False) -> str | None:
     ``triton`` choice), CPU tensors run under Triton's interpreter when ``TRITON_INTERPRET=1`` (tests)."""
     if hidden.device.type != "cuda" and not (interpreter and _interpreting()):
         return f"the fused head runs on CUDA (hidden states are on {hidden.device.type})"
-    return triton_missing() or mm_fp32_out_missing()
+    return fused_missing()
 
 
 def head_that_runs(kernel: str, device: torch.device | str) -> str:
     """``model.lm_head_kernel`` -> the head that runs on ``device`` (rows without candidate sets): triton or torch."""
     if kernel == "torch":
         return "torch"
-    missing = triton_missing() or mm_fp32_out_missing()
-    if kernel == "triton" or (torch.device(device).type == "cuda" and missing is None):
+    if kernel == "triton" or (torch.device(device).type == "cuda" and fused_missing() is None):
         return "triton"
     return "torch"
 
 
 @functools.cache
-def triton_missing() -> str | None:
-    """None when Triton imports, else the reason (the message names the fix)."""
+def fused_missing() -> str | None:
+    """None when this install can run the fused head, else the reason (the message names the fix): Triton must
+    import, and ``torch.mm`` must write fp32 from bf16 / fp16 inputs (``out_dtype``, torch >= 2.8) for the
+    forward's raw logits."""
     try:
         import triton  # noqa: F401
     except ImportError as exc:  # pragma: no cover - depends on the install
         return f"Triton is not installed ({exc}); install triton or set model.lm_head_kernel=torch"
-    return None
-
-
-@functools.cache
-def mm_fp32_out_missing() -> str | None:
-    """None when ``torch.mm`` can write fp32 from bf16 / fp16 inputs (``out_dtype``, torch >= 2.8), which the
-    forward's raw logits need; else the reason."""
     if "dtype_out" in torch.ops.aten.mm.overloads():
         return None
     return (  # pragma: no cover - depends on the install
@@ -96,11 +90,11 @@ def mm_fp32_out_missing() -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------- kernels
-def _kernels() -> tuple[Any, Any]:
-    """The Triton kernels (Triton is imported only when the fused head runs)."""
+def _kernels() -> Any:
+    """The Triton kernels' module (Triton is imported only when the fused head runs)."""
     from asyncgrpo_cli.model import fused_head_kernels
 
-    return fused_head_kernels.grad_kernel, fused_head_kernels.stats_kernel
+    return fused_head_kernels
 
 
 GRAD_BLOCKS = dict(BLOCK_N=128, BLOCK_V=256, BLOCK_D=64, num_warps=8, num_stages=3)
@@ -117,9 +111,9 @@ def _blocks(dtype: torch.dtype, tuned: dict[str, int]) -> dict[str, Any]:
 
 STATS_TILE_ELEMENTS = 1 << 27
 """fp32 raw logits per forward chunk (512 MiB): 883 positions of Qwen3's 151,936-entry vocabulary."""
-STATS_BLOCK_V = 2048
-"""Vocabulary entries per block of ``stats_kernel``'s row loop (128 under the interpreter)."""
-STATS_LAUNCH = dict(num_warps=8)
+STATS_LAUNCH = dict(BLOCK_V=2048, num_warps=8)
+"""``stats_kernel``'s vocabulary entries per block of its row loop and launch options on GPUs (``BLOCK_V=128``
+under the interpreter)."""
 
 
 def _transform_args(transform: LogitTransform) -> dict[str, Any]:
@@ -135,22 +129,20 @@ def _transform_args(transform: LogitTransform) -> dict[str, Any]:
 def _stats_from_cublas(h, w, bias, ids, transform: LogitTransform):
     """(log Z, entropy, transformed logits at ids [N, 1 + K], -inf for absent candidates): per chunk of
     positions, cuBLAS's fp32 raw logits, then ``stats_kernel`` reduces each row in one pass."""
-    stats_kernel = _kernels()[1]
     n_pos, vocab, num_ids = h.shape[0], w.shape[0], ids.shape[1]
     f32 = dict(dtype=torch.float32, device=h.device)
     log_z, entropy = torch.empty(n_pos, **f32), torch.empty(n_pos, **f32)
     picked = torch.empty(n_pos, num_ids, **f32)
     rows = max(1, min(n_pos, STATS_TILE_ELEMENTS // vocab))
     tile = torch.empty(rows, vocab, **f32)
-    block_v = 128 if _interpreting() else STATS_BLOCK_V
+    launch = dict(BLOCK_V=128) if _interpreting() else STATS_LAUNCH
     for p0 in range(0, n_pos, rows):
         p1 = min(p0 + rows, n_pos)
         raw = raw_logits(h[p0:p1], w, tile[: p1 - p0])
-        stats_kernel[(p1 - p0,)](
+        _kernels().stats_kernel[(p1 - p0,)](
             raw, w if bias is None else bias, ids, log_z, entropy, picked, p0, raw.stride(0),
             VOCAB=vocab, HAS_BIAS=bias is not None, NUM_IDS=num_ids,
-            IDS_P=max(2, 1 << (num_ids - 1).bit_length()), BLOCK_V=block_v,
-            **_transform_args(transform), **({} if _interpreting() else STATS_LAUNCH),
+            IDS_P=max(2, 1 << (num_ids - 1).bit_length()), **_transform_args(transform), **launch,
         )  # fmt: skip
     return log_z, entropy, picked
 
@@ -192,7 +184,7 @@ class FusedHeadFunction(torch.autograd.Function):
             zeros = [torch.zeros_like(x) if need and x is not None else None for x, need in zip(
                 (hidden, weight, bias), (need_h, need_w, need_b), strict=True)]  # fmt: skip
             return (*zeros, None, None, None)
-        grad_kernel = _kernels()[0]
+        grad_kernel = _kernels().grad_kernel
         vocab = weight.shape[0]
         transform = ctx.transform
         f32 = dict(dtype=torch.float32, device=hidden.device)

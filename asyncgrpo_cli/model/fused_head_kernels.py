@@ -3,8 +3,8 @@
 A module of its own because Triton resolves the helpers a kernel calls among the module's globals, and importing
 it requires Triton: ``fused_head`` imports it only when the fused head runs.
 
-The position count ``n_pos``, the first row ``row0`` and the backward's ``v0`` change from call to call, so the kernels do not let
-Triton specialize on them: by default a Triton kernel compiles a new variant the first time an integer argument
+The position count ``n_pos``, the first row ``row0`` and the backward's ``v0`` change from call to call, so the
+kernels do not let Triton specialize on them: by default a Triton kernel compiles a new variant the first time an integer argument
 is divisible by 16 (or equals 1), which cost a ~1.4 s recompile in a random training step when the number of
 trained positions happened to be a multiple of 16 (docs/benchmarks.md). Strides and the vocabulary are fixed for
 a run and stay specialized.
@@ -99,12 +99,12 @@ def stats_kernel(
         if HAS_BIAS:
             raw += tl.load(b_ptr + cols, ok, 0.0).to(tl.float32)
         z = _transform(raw, scale, softcap, inv_temp, HAS_SCALE, HAS_SOFTCAP)
-        z_in = tl.where(ok, z, float("-inf"))
+        z_in = tl.where(ok, z, float("-inf"))  # z stays finite (transformed 0) past the vocabulary
         new_max = tl.maximum(run_max, tl.max(z_in, 0))
         e = tl.exp(z_in - new_max)
         decay = tl.exp(run_max - new_max)
         run_sum = run_sum * decay + tl.sum(e, 0)
-        run_dot = run_dot * decay + tl.sum(tl.where(ok, e * z, 0.0), 0)
+        run_dot = run_dot * decay + tl.sum(e * z, 0)
         run_max = new_max
     log_z = run_max + tl.log(run_sum)
     at = row0 + r

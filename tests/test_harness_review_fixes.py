@@ -321,8 +321,11 @@ def test_a_5xx_under_a_harness_stops_the_run_at_once_not_after_its_timeout(make_
     with pytest.raises(ServerRequestError, match="HTTP 500"):
         s.rig.call(asyncio.wait_for(runner.run({"prompt": "What is 1 plus 2?"}), 30), timeout=40)
     assert time.monotonic() - t0 < SLACK_S  # not the 60 s timeout, nor the 30 s retry pause
+    assert s.count("rejected_request_count") == 1  # the proxy answered the agent once, with the 502
     entries = agent_log(log)
-    assert [(e["status"], e["code"]) for e in entries if "status" in e] == [(502, "upstream_error")]
+    # The run kills the agent as soon as the 5xx is recorded: under load that can come before the agent logs
+    # the answer it read, so its log holds that answer or nothing, never a retry.
+    assert [(e["status"], e["code"]) for e in entries if "status" in e] in ([], [(502, "upstream_error")])
     assert gone(entries[0]["pid"]) and not runner.groups.live
     assert not s.rig.proxy.traces.active
 

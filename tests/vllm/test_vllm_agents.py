@@ -5,11 +5,12 @@ in a subprocess, two runs (each launches vLLM once).
    calls a tool, so this loop makes every rollout three sampling requests of a growing ChatML conversation. Every
    turn's sampled tokens reach the extend/fork reconciliation; the loop records them (``loop_options.record``) and
    the test checks the rule on them: the template never re-renders earlier turns, and a turn extends its sample
-   exactly when the previous reply's decoded text re-tokenizes to the tokens sampled. The random model often
-   writes tokens that do not: a lone byte of a multi-byte UTF-8 character (decoded to U+FFFD, re-encoded as its
-   three bytes), a digit run BPE splits differently, a special token decoding drops. About half of the 4-token
-   replies round-trip (2 of 62 of the recipe's 24-token ones did), so ``sampling.max_completion_length=4`` makes
-   both extends and forks happen in one run.
+   exactly when the previous reply's decoded text, re-tokenized and closed by ``<|im_end|>``, begins with the
+   tokens sampled. The random model often writes tokens that do not: a lone byte of a multi-byte UTF-8 character
+   (decoded to U+FFFD, re-encoded as EF BF BD: only a lone 0xEF still matches), a digit run BPE splits
+   differently, a special token decoding drops. About half of the 4-token replies round-trip (2 of 62 of the
+   recipe's 24-token ones did), so ``sampling.max_completion_length=4`` makes both extends and forks happen in
+   one run.
 2. ``+recipe=tools_tiny``: the built-in IncrementEnv and the calculator tool through the tool loop (whether or not
    the model writes a call), with the environment's metrics.
 
@@ -80,10 +81,14 @@ def test_three_turn_rollouts_extend_or_fork_on_vllm(tmp_path, vllm_python, tiny_
         kept = prompt + reply
         extends = len(nxt) >= len(kept) and common_prefix_len(kept, nxt) == len(kept)
         assert nxt[: len(prompt)] == prompt  # the ChatML template never re-renders earlier turns
-        sampled = reply[:-1] if reply and reply[-1] == eos else reply
-        round_trips = tok.encode(tok.decode(reply, skip_special_tokens=True)) == sampled
+        # The template renders the reply's decoded text and then <|im_end|> (the eos): the turn extends its
+        # sample exactly when that rendering begins with the tokens sampled. A reply cut mid-character
+        # (max_tokens) can still extend: its lone lead byte 0xEF decodes to U+FFFD, whose re-encoding EF BF BD
+        # begins with that byte.
+        rendered = tok.encode(tok.decode(reply, skip_special_tokens=True)) + [eos]
+        re_renders = rendered[: len(reply)] == reply
         # A fork comes from the reply's own tokens, never from the template.
-        assert extends == round_trips, (reply, nxt[len(prompt) :])
+        assert extends == re_renders, (reply, nxt[len(prompt) :])
         forks += not extends
     print(f"forks {forks}/{len(seen)} transitions")
     assert 0 < forks < len(seen)  # both paths ran

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from asyncgrpo_cli.bench.rows import synthetic_row
 from asyncgrpo_cli.bench.trainer import (
     SHAPES,
     TrainerBenchConfig,
@@ -18,7 +19,6 @@ from asyncgrpo_cli.bench.trainer import (
     main,
     parse_args,
     step_flops,
-    synthetic_row,
 )
 from asyncgrpo_cli.config.schema import PackingConfig
 from asyncgrpo_cli.errors import UserError

@@ -21,9 +21,10 @@ Defaults: on CUDA T=16384, V=151936 (Qwen3), H=1024 (Qwen3-0.6B), bf16; on CPU T
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, get_origin, get_type_hints
+from dataclasses import dataclass, field
+from typing import Any
 
+from asyncgrpo_cli.bench.args import parse_key_values
 from asyncgrpo_cli.bench.lm_head import MIB, Measurement, _fmt_mib, _fmt_ms, _measure
 from asyncgrpo_cli.errors import UserError
 
@@ -53,23 +54,7 @@ class DistillLossBenchConfig:
 
 def parse_args(argv: list[str]) -> DistillLossBenchConfig:
     """``KEY=VALUE`` arguments (lists comma-separated) into the config; every problem reported at once."""
-    import yaml
-
-    from asyncgrpo_cli.config.validate import build_dataclass
-
-    hints = get_type_hints(DistillLossBenchConfig)
-    lists = {f.name for f in fields(DistillLossBenchConfig) if get_origin(hints[f.name]) is list}
-    data: dict[str, Any] = {}
-    errors: list[str] = []
-    for arg in argv:
-        key, eq, value = arg.partition("=")
-        if not eq:
-            errors.append(f"{arg!r} is not KEY=VALUE")
-        elif key in lists and not value.startswith("["):
-            data[key] = [yaml.safe_load(x) for x in value.split(",") if x]
-        else:
-            data[key] = yaml.safe_load(value)
-    cfg = build_dataclass(DistillLossBenchConfig, data, "bench", errors) if not errors else None
+    cfg, errors = parse_key_values(DistillLossBenchConfig, argv)
     if cfg is not None:
         checks = [
             (cfg.device in ("auto", "cuda", "cpu"), f"bench.device ({cfg.device}) must be auto, cuda or cpu"),

@@ -26,7 +26,8 @@ verbs:
   serve     run the embedded generation server on the configured model (vLLM-compatible API subset).
   plugins   list the registered plugins (rewards, losses, packers, servers, weight sync, rollout loops, ...).
   bench     benchmarks: `asyncgrpo bench trainer-overhead [OVERRIDES]`, `asyncgrpo bench embedded-server`,
-            `asyncgrpo bench trainer [KEY=VALUE]` (tokens/s, MFU, memory; torchrun for several GPUs).
+            `asyncgrpo bench trainer [KEY=VALUE]` (tokens/s, MFU, memory; torchrun for several GPUs),
+            `asyncgrpo bench attention [KEY=VALUE]` (flex attention kernel options on packed rows).
 
 examples:
   asyncgrpo train
@@ -395,6 +396,7 @@ def _bench(args: list[str]) -> None:
         "distill-loss": "asyncgrpo_cli.bench.distill_loss:main",
         "packing": "asyncgrpo_cli.bench.packing:main",
         "trainer": "asyncgrpo_cli.bench.trainer:main",
+        "attention": "asyncgrpo_cli.bench.attention:main",
         "weight-sync": "asyncgrpo_cli.bench.weight_sync:main",
         "prefix-reuse": "asyncgrpo_cli.bench.prefix_reuse:main",
         "planning": "asyncgrpo_cli.bench.planning:main",

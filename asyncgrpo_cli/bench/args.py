@@ -7,9 +7,9 @@ from typing import Any, get_origin, get_type_hints
 
 
 def parse_key_values(cls: type, argv: list[str]) -> tuple[Any | None, list[str]]:
-    """(the ``cls`` instance or None, every problem found). Values are YAML scalars; a ``list`` field takes its
-    items comma-separated (``top_k=8,64``) or as a YAML list. Unknown keys and wrong types are named as
-    ``bench.KEY`` by the config validator."""
+    """(the ``cls`` instance, None when any problem was found; every problem found). Values are YAML scalars; a
+    ``list`` field takes its items comma-separated (``top_k=8,64``) or as a YAML list. Unknown keys and wrong
+    types are named as ``bench.KEY`` by the config validator."""
     import yaml
 
     from asyncgrpo_cli.config.validate import build_dataclass
@@ -26,4 +26,6 @@ def parse_key_values(cls: type, argv: list[str]) -> tuple[Any | None, list[str]]
             data[key] = [yaml.safe_load(x) for x in value.split(",") if x]
         else:
             data[key] = yaml.safe_load(value)
-    return (build_dataclass(cls, data, "bench", errors) if not errors else None), errors
+    cfg = build_dataclass(cls, data, "bench", errors) if not errors else None
+    # a config with a wrong-typed field (the validator keeps a placeholder there) is no config to check further
+    return (None if errors else cfg), errors

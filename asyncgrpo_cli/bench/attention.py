@@ -106,7 +106,7 @@ def parse_args(argv: list[str]) -> AttentionBenchConfig:
     from asyncgrpo_cli.bench.trainer import SHAPES
 
     cfg, errors = parse_key_values(AttentionBenchConfig, argv)
-    if cfg is not None and not errors:
+    if cfg is not None:
         unknown = [n for n in _names(cfg.options) if n not in KERNEL_OPTIONS]
         checks = [
             (all(s in SHAPES for s in cfg.shapes.split(",")), f"bench.shapes: pick from {', '.join(SHAPES)}"),

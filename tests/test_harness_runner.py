@@ -404,7 +404,9 @@ def test_a_child_left_behind_using_the_token_gets_401_and_is_killed(tmp_path, to
     refused = b.counts()["harness/unauthorized_count"]
     assert len(statuses) <= refused <= len(statuses) + 1
     assert [t.output_ids for t in r.turns] == [ids(tok, REPLY_1)]  # nothing after the exit was served
-    assert r.unscored == f"{int(refused)} request(s) in flight at its exit or sent after it"
+    # a request the child sent just before the SIGKILL may reach the proxy after the runner counted: one fewer
+    counted = [n for n in (int(refused), int(refused) - 1) if n >= 1]
+    assert r.unscored in {f"{n} request(s) in flight at its exit or sent after it" for n in counted}
     assert r.reward == 1.0  # its reward line is kept, the scorer ignores it
     assert_counts(b, 1, late_request_count=refused, unscored_count=1)
     assert_all_gone(b, 2)

@@ -53,6 +53,8 @@ REFERENCE_METRICS = [
     "perf/fwd_bwd_s",
     "perf/optimizer_s",
     "perf/rollout_wait_s",
+    "perf/plan_s",
+    "perf/plan_overlapped_s",
     "perf/weight_sync_s",
     "perf/wall_clock_trained_tokens_per_s",
 ]
@@ -107,6 +109,19 @@ def test_train_writes_metrics_checkpoint_and_resumes(tmp_path):
     resumed = json.loads((run / "checkpoints" / "step-000005" / "rollout_state.json").read_text())
     assert resumed["trained_prompt_count"] > state["trained_prompt_count"]
     assert resumed["prompt_index"] >= state["prompt_index"]
+
+
+def test_weights_synced_every_other_step_plan_each_step_at_its_version(tmp_path):
+    """The next step is planned while this one's GPU work runs, at the version it trains at: with a sync every
+    second step that version advances every other step (a wrong guess would stop the run in collect)."""
+    run = tmp_path / "every-other"
+    out = train(
+        "trainer.max_steps=4", "trainer.save_steps=0", "rollout.weight_sync_steps=2", f"hydra.run.dir={run}"
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_metrics(run)
+    assert [(r["step"], r["model_version"]) for r in rows] == [(1, 0), (2, 1), (3, 1), (4, 2)]
+    assert all(r["perf/plan_overlapped_s"] >= 0 and r["perf/plan_s"] >= 0 for r in rows)
 
 
 def test_multirun_sweep_jobs_start_clean(tmp_path):

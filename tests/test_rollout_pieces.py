@@ -4,6 +4,7 @@ resume: plain data, no processes."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from asyncgrpo_cli.metrics.reducer import MetricWindow
 from asyncgrpo_cli.packing.planner import TokenBudgetPlanner
@@ -120,6 +121,7 @@ class _FakeRolloutQueue:
         self.items = list(items)
         self.allowances: list[int] = []
         self.consumed = 0
+        self.waits = 0  # calls of the waiting ``get``
 
     def set_allowance(self, tokens: int) -> None:
         self.allowances.append(tokens)
@@ -128,6 +130,10 @@ class _FakeRolloutQueue:
         self.consumed += tokens
 
     def get(self, timeout: float):
+        self.waits += 1
+        return self.items.pop(0) if self.items else None
+
+    def poll(self):
         return self.items.pop(0) if self.items else None
 
 
@@ -163,3 +169,51 @@ def test_the_step_collector_owns_trainer_side_pacing():
     assert rollout.allowances[-1] == step_allowance(2, tokens_consumed_by_step=90) == 180
     assert window.reduce()["sample/dropped_stale_count"] == 1
     assert collector.exhausted
+
+
+def _queued_step(version: int) -> list:
+    """Three prompts' samples as the rollout queue holds them: a stale one, a resolved prompt, then two groups."""
+    return [
+        _sample(30, prompt_seq=0, version=version - 3),
+        PromptResolved(1, "zero_std"),
+        _sample(40, prompt_seq=2, version=version - 1, group_num_samples=2),
+        _sample(50, prompt_seq=2, version=version, group_num_samples=2),
+        _sample(60, prompt_seq=3, version=version),
+        _sample(70, prompt_seq=4, version=version),
+        _sample(80, prompt_seq=5, version=version),
+    ]
+
+
+def _collector(items: list) -> tuple[StepCollector, _FakeRolloutQueue, PromptTracker, MetricWindow]:
+    rollout, tracker, window = _FakeRolloutQueue(items), PromptTracker(), MetricWindow()
+    planner = TokenBudgetPlanner(token_budget=100, num_ranks=1)
+    collector = StepCollector(rollout, planner, tracker, max_staleness=2, grad_accum=2, metrics=window)
+    return collector, rollout, tracker, window
+
+
+def test_prefetch_plans_what_is_queued_without_waiting_and_collect_gets_the_same_step():
+    """Planning under the GPU's work (``prefetch`` at the next step's version) changes no step."""
+    plain, _, plain_tracker, _ = _collector(_queued_step(version=3))
+    expected = plain.collect(model_version=3)
+    ahead, rollout, tracker, window = _collector(_queued_step(version=3))
+    ahead.prefetch(model_version=3)
+    assert rollout.waits == 0  # never waited on the queue
+    assert len(rollout.items) == 1  # stopped once the step was planned: two micro-batches, one sample left
+    assert window.reduce()["sample/dropped_stale_count"] == 1  # dropped at the version it is planned for
+    step = ahead.collect(model_version=3)
+    assert rollout.waits == 0  # collect needed nothing more
+    assert step is not None and expected is not None
+    assert [[len(s) for s in mb.rows[0]] for mb in step.microbatches] == [
+        [len(s) for s in mb.rows[0]] for mb in expected.microbatches
+    ]
+    assert tracker.state() == plain_tracker.state()
+    assert step.plan_s == 0.0 and expected.plan_s > 0.0  # the planning was done ahead
+    assert "perf/plan_overlapped_s" in window.reduce()
+
+
+def test_prefetch_on_an_empty_queue_returns_at_once_and_a_version_mismatch_is_refused():
+    collector, rollout, _, _ = _collector([])
+    collector.prefetch(model_version=5)
+    assert rollout.waits == 0
+    with pytest.raises(RuntimeError, match="planned for policy version 5 but the step trains at 4"):
+        collector.collect(model_version=4)

@@ -208,9 +208,9 @@ def _metrics(
 ) -> dict[str, torch.Tensor]:
     device = jsd.device
     out = {
-        "token_count": torch.tensor(float(jsd.numel()), device=device),
+        "token_count": torch.full((), float(jsd.numel()), device=device),  # no host copy
         "jsd_sum": jsd.sum(),
-        "jsd_max": jsd.max() if jsd.numel() else torch.tensor(NEG_INF, device=device),
+        "jsd_max": jsd.max() if jsd.numel() else torch.full((), NEG_INF, device=device),
         "entropy_sum": stats.entropy.detach().float().sum(),
         "teacher_entropy_sum": teacher_h.sum(),
         "masked_sum": (~active).float().sum().to(device),

@@ -134,6 +134,14 @@ class RolloutProcess:
                 if time.monotonic() >= deadline:
                     return None
 
+    def poll(self) -> Any:
+        """The next item if one is queued now, else None: never waits and runs no health check or ``on_idle``
+        (the step collector drains the queue with it while the trainer's GPU work runs, ``StepCollector.prefetch``)."""
+        try:
+            return self.shared.rollout_buffer.get_nowait()
+        except queue.Empty:
+            return None
+
     def forward_logs(self) -> None:
         """Hand the rollout process's forwarded log records to this process's handlers (by logger name)."""
         while True:

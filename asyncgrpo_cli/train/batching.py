@@ -10,6 +10,14 @@ The collector owns everything ``rollout.max_staleness`` decides on this side (``
 
 The rest go through the token-budget planner, which emits micro-batches (one row per rank). ``RolloutDone`` ends an
 epoch-based run: the open rows are flushed.
+
+Planning off the critical path: when the trainer is the bottleneck, the queue already holds the next step's samples
+when a step ends, and planning them in ``collect`` would keep the GPU idle. So while a step's GPU work still runs
+(after its last backward is queued, before its first host sync), the trainer calls ``prefetch`` with the version
+the *next* step trains at: it plans what is queued now, without waiting, until that step is planned. Every sample
+is handled exactly as ``collect`` would handle it at that version (staleness is a function of the two versions
+only), so the steps are the same; ``perf/plan_s`` is the planning left on the critical path (in ``collect``,
+waits excluded), ``perf/plan_overlapped_s`` the planning ``prefetch`` moved under the GPU's work.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ GET_TIMEOUT_S = 1.0
 class StepBatch:
     microbatches: list[MicroBatch]
     wait_s: float = 0.0
+    plan_s: float = 0.0
+    """Seconds ``collect`` spent handling items (planning), its waits for samples excluded."""
     samples: list[TrainingSequence] = field(default_factory=list)
 
     @property
@@ -61,6 +71,9 @@ class StepCollector:
         self.should_stop = should_stop or (lambda: False)
         self.rollout_done = False
         self._carry: list[MicroBatch] = []
+        self._prefetched_for: int | None = (
+            None  # the version ``prefetch`` planned samples at, until ``collect``
+        )
         rows_per_step = grad_accum * planner.num_ranks
         rollout.set_allowance(initial_allowance(max_staleness, planner.token_budget, rows_per_step))
 
@@ -76,15 +89,36 @@ class StepCollector:
         """No more data will come: the rollout process finished and nothing is left to train."""
         return self.rollout_done and not self._carry and self.planner.num_open_samples == 0
 
+    def prefetch(self, model_version: int) -> None:
+        """Plan the samples queued now for the step that trains at ``model_version`` (the next one), never waiting:
+        stops when that step is planned or the queue is empty (module docstring). The trainer calls it while the
+        GPU finishes the current step; ``collect(model_version)`` then starts from what it planned."""
+        t0 = time.monotonic()
+        self._prefetched_for = model_version
+        while not self.rollout_done and len(self._carry) < self.grad_accum:
+            item = self.rollout.poll()
+            if item is None:
+                break
+            self._handle(item, model_version)
+        self.metrics.add("perf/plan_overlapped_s", time.monotonic() - t0)
+
     def collect(self, model_version: int) -> StepBatch | None:
         """Block (with health checks) until a full step is planned; None when the data is exhausted."""
+        if self._prefetched_for is not None and self._prefetched_for != model_version:
+            raise RuntimeError(
+                f"samples were planned for policy version {self._prefetched_for} but the step trains at "
+                f"{model_version}: their staleness was checked against the wrong version"
+            )
+        self._prefetched_for = None
         step = StepBatch(microbatches=[])
         while len(step.microbatches) < self.grad_accum:
             if self._carry:
                 step.microbatches.append(self._carry.pop(0))
                 continue
             if self.rollout_done:
+                t0 = time.monotonic()
                 mb = self.planner.flush()
+                step.plan_s += time.monotonic() - t0
                 if mb is None:
                     break
                 step.microbatches.append(mb)
@@ -93,9 +127,11 @@ class StepCollector:
                 return None
             t0 = time.monotonic()
             item = self.rollout.get(timeout=GET_TIMEOUT_S)
-            step.wait_s += time.monotonic() - t0
+            t1 = time.monotonic()
+            step.wait_s += t1 - t0
             if item is not None:
                 self._handle(item, model_version)
+                step.plan_s += time.monotonic() - t1
         if not step.microbatches:
             return None
         step.samples = [

@@ -161,7 +161,7 @@ def _base_metrics(stats: TokenStats, row: PackedRow, ratio: torch.Tensor, mask: 
     if row.support_ids is not None:  # tokens whose log-prob was renormalized over a candidate set
         extra["sampling_mask_sum"] = (row.support_ids >= 0).any(1).float().sum()
     return extra | {
-        "token_count": torch.tensor(float(r.numel()), device=r.device),
+        "token_count": torch.full((), float(r.numel()), device=r.device),  # a fill kernel, not a host copy
         "is_ratio_sum": r.sum(),
         "is_ratio_min": _extreme(r, torch.min, float("inf")),
         "is_ratio_max": _extreme(r, torch.max, float("-inf")),
@@ -173,24 +173,32 @@ def _base_metrics(stats: TokenStats, row: PackedRow, ratio: torch.Tensor, mask: 
 
 
 def _clip_metrics(row: PackedRow, low: torch.Tensor, high: torch.Tensor) -> dict:
-    """Token counts, and the smallest / largest per-sample fraction over samples with trained tokens."""
+    """Token counts, and the smallest / largest per-sample fraction over samples with trained tokens.
+
+    Samples without trained tokens take the reduction's identity (inf / -inf) through ``where`` rather than being
+    left out by a boolean index: selecting by a mask needs the selected count on the host, a device sync in the
+    middle of every row's loss that would hold the CPU until the row's forward finished."""
     idx = row.sample_index
     n = torch.zeros(row.num_samples, device=low.device).index_add_(
         0, idx, torch.ones_like(low, dtype=torch.float)
     )
-    low_frac = torch.zeros_like(n).index_add_(0, idx, low.float())[n > 0] / n[n > 0]
-    high_frac = torch.zeros_like(n).index_add_(0, idx, high.float())[n > 0] / n[n > 0]
+    has = n > 0
+    per = n.clamp(min=1)
+    low_frac = torch.zeros_like(n).index_add_(0, idx, low.float()) / per
+    high_frac = torch.zeros_like(n).index_add_(0, idx, high.float()) / per
     return {
         "clip_low_sum": low.float().sum(),
         "clip_high_sum": high.float().sum(),
         "clip_region_sum": (low | high).float().sum(),
-        "clip_low_sample_min": _extreme(low_frac, torch.min, float("inf")),
-        "clip_high_sample_max": _extreme(high_frac, torch.max, float("-inf")),
+        "clip_low_sample_min": _extreme(low_frac.masked_fill(~has, float("inf")), torch.min, float("inf")),
+        "clip_high_sample_max": _extreme(
+            high_frac.masked_fill(~has, float("-inf")), torch.max, float("-inf")
+        ),
     }
 
 
 def _extreme(x: torch.Tensor, op, empty: float) -> torch.Tensor:
-    return op(x) if x.numel() else torch.tensor(empty, device=x.device)
+    return op(x) if x.numel() else torch.full((), empty, device=x.device)
 
 
 def merge_metric_parts(parts: list[dict]) -> dict[str, torch.Tensor]:

@@ -14,11 +14,18 @@ multiplication, R = this rank's rows in the step (the same on every rank: one pe
 over the W ranks turns the sum over rows into ``coef`` times the mean aux loss over all the step's W x R rows:
 ``(1/W) Σ_ranks Σ_rows coef ∇aux_row / R = coef ∇ mean_rows(aux_row)``. The raw aux losses are summed in
 ``StepResult.aux_sum`` (and counted in ``aux_rows``) for the ``aux_loss`` metric.
+
+No host sync until the step's loss is read: rows go to the device with ``non_blocking`` copies (pageable memory is
+staged by the driver, so nothing waits for queued work), and the CPU runs ahead of the GPU, packing the next row
+while the previous one computes. ``overlap`` runs once the last backward is queued, before that read: CPU work
+of the trainer (planning the next step, ``StepCollector.prefetch``) that then runs under the GPU's work instead
+of after it. ``fwd_s`` / ``fwd_bwd_s`` are GPU time on CUDA (events, read after the sync), wall time on CPU.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -60,21 +67,23 @@ def forward_backward(
     world_size: int = 1,
     router: RouterAux | None = None,
     head_kernel: str = "auto",
+    overlap: Callable[[], None] | None = None,
 ) -> StepResult:
     """Run every micro-batch row of this rank; gradients accumulate in the parameters. ``router``: add the MoE
-    router aux loss (module docstring); ``head_kernel``: ``model.lm_head_kernel``."""
+    router aux loss (module docstring); ``head_kernel``: ``model.lm_head_kernel``; ``overlap``: CPU work to run
+    while the GPU finishes (module docstring)."""
     with_topk = bool(loss_fn.needs)
     out = StepResult()
     model.train()
-    loss_sum = torch.zeros(
-        (), dtype=torch.float64, device=device
-    )  # read once: the next row packs during backward
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # read once, after every row is queued
     aux_sum = torch.zeros((), dtype=torch.float64, device=device)
+    clock = _Clock(device)
+    spans = []
     for samples in rows:
         packed = packer.pack(samples)
         out.attn_pairs += attended_pairs(packed.leave)
-        row = packed.to(device)
-        t0 = time.monotonic()
+        row = packed.to(device, non_blocking=True)
+        t0 = clock.mark()
         stats = _through_root(model, row, temperature, with_topk, router, head_kernel)
         loss, raw = loss_fn(stats, row, num_trained)
         if world_size > 1:
@@ -83,17 +92,39 @@ def forward_backward(
             loss = loss + router.coef * stats.aux_loss / len(rows)
             aux_sum += stats.aux_loss.detach()
             out.aux_rows += 1
-        t1 = time.monotonic()
+        t1 = clock.mark()
         loss.backward()
-        out.fwd_s += t1 - t0
-        out.fwd_bwd_s += time.monotonic() - t0
+        spans.append((t0, t1, clock.mark()))
         loss_sum += loss.detach()
         out.raw_parts.append(raw)
         out.forwarded += row.num_forwarded
         out.unpacked += row.num_unpacked
-    out.loss = float(loss_sum) / world_size
+    if overlap is not None:
+        overlap()
+    out.loss = float(loss_sum) / world_size  # the step's one host sync
     out.aux_sum = float(aux_sum)
+    for t0, t1, t2 in spans:
+        out.fwd_s += clock.seconds(t0, t1)
+        out.fwd_bwd_s += clock.seconds(t0, t2)
     return out
+
+
+class _Clock:
+    """Marks on the device's timeline: CUDA events on the current stream (read after the step's sync), else the
+    wall clock (CPU ops run synchronously)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.monotonic()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1000.0 if self.cuda else end - start
 
 
 def _through_root(

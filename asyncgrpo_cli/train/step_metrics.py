@@ -73,6 +73,7 @@ def record_step(
     w.add("perf/fwd_s", times.fwd_s)
     w.add("perf/optimizer_s", times.optimizer_s)
     w.add("perf/rollout_wait_s", step.wait_s)
+    w.add("perf/plan_s", step.plan_s)
     w.add_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, times.fwd_bwd_s)
     w.add_rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, times.step_s)
     w.add_rate("perf/wall_clock_trained_tokens_per_s", trained, times.step_s)

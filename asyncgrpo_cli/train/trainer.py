@@ -109,6 +109,13 @@ class Trainer:
             return None
         return self.p.collector.collect(self.p.state.model_version)
 
+    def _prefetch_next(self) -> None:
+        """Rank 0, while the GPU finishes this step: plan the queued samples of the next one, at the version it will
+        train at (this step's scheduled weight sync, deferred or not, advances it by one)."""
+        p = self.p
+        synced = (p.state.step + 1) % self.cfg.rollout.weight_sync_steps == 0
+        p.collector.prefetch(p.state.model_version + int(synced))
+
     def _split(self, step: StepBatch | None) -> list[RankStep]:
         world = self.info.world_size
         if step is None:
@@ -132,6 +139,7 @@ class Trainer:
             self.info.world_size,
             router=p.router,
             head_kernel=self.cfg.model.lm_head_kernel,
+            overlap=self._prefetch_next if self.info.is_main else None,
         )
         raw = reduce_raw_metrics(merge_metric_parts(res.raw_parts), self.info)
         records = p.loss_fn.metric_records(raw)

@@ -131,3 +131,36 @@ def test_one_process_mixed_precision_runs_fsdp2_and_tracks_fp32(tiny_model_dir):
     assert mixed == pytest.approx(fp32, abs=0.02)  # ... close to fp32
     assert {t.dtype for t in full.values()} == {torch.float32}  # fp32 master weights, gathered full
     assert full["model.embed_tokens.weight"].shape == (vocab, model.config.hidden_size)
+
+
+def test_a_prepacked_first_row_and_the_overlap_hook_leave_the_step_unchanged(tiny_model_dir):
+    """The trainer packs the next step's first row under this step's GPU work (``first_row``) and plans in
+    ``overlap``: the loss and every gradient are those of packing each row in the loop."""
+    from asyncgrpo_cli.bench.trainer_overhead import synthetic_groups
+
+    vocab = _tiny(tiny_model_dir).config.vocab_size
+    samples = synthetic_groups(
+        np.random.default_rng(1), 2, 2, prompt_len=8, completion_len=16, vocab=vocab, num_topk=0
+    )
+    rows = [samples[:2], samples[2:]]
+    num_trained = sum(s.num_trained for s in samples)
+    packer, loss_fn = SequencePacker(PackingConfig(kind="sequence")), ClippedLoss(LossConfig())
+    results, calls = [], []
+    for first in (None, packer.pack(rows[0])):
+        model = _tiny(tiny_model_dir)
+        res = forward_backward(
+            model,
+            rows,
+            num_trained,
+            packer,
+            loss_fn,
+            CPU,
+            1.0,
+            overlap=lambda: calls.append(1),
+            first_row=first,
+        )
+        results.append((res.loss, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert calls == [1, 1]  # once per step, after the last backward
+    assert results[0][0] == results[1][0]
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, rtol=0, atol=0)

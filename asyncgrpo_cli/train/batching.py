@@ -93,14 +93,16 @@ class StepCollector:
         """Plan the samples queued now for the step that trains at ``model_version`` (the next one), never waiting:
         stops when that step is planned or the queue is empty (module docstring). The trainer calls it while the
         GPU finishes the current step; ``collect(model_version)`` then starts from what it planned."""
-        t0 = time.monotonic()
         self._prefetched_for = model_version
         while not self.rollout_done and len(self._carry) < self.grad_accum:
             item = self.rollout.poll()
             if item is None:
                 break
             self._handle(item, model_version)
-        self.metrics.add("perf/plan_overlapped_s", time.monotonic() - t0)
+
+    def first_planned_row(self) -> list[TrainingSequence] | None:
+        """Rank 0's row of the next micro-batch ``collect`` will return, when one is planned already (else None)."""
+        return self._carry[0].rows[0] if self._carry else None
 
     def collect(self, model_version: int) -> StepBatch | None:
         """Block (with health checks) until a full step is planned; None when the data is exhausted."""

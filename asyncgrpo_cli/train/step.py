@@ -37,6 +37,7 @@ from asyncgrpo_cli.train.flops import attended_pairs
 
 if TYPE_CHECKING:
     from asyncgrpo_cli.model.router import RouterAux
+    from asyncgrpo_cli.packing.row import PackedRow
     from asyncgrpo_cli.protocols import Loss, Packer
 
 
@@ -68,10 +69,12 @@ def forward_backward(
     router: RouterAux | None = None,
     head_kernel: str = "auto",
     overlap: Callable[[], None] | None = None,
+    first_row: PackedRow | None = None,
 ) -> StepResult:
     """Run every micro-batch row of this rank; gradients accumulate in the parameters. ``router``: add the MoE
     router aux loss (module docstring); ``head_kernel``: ``model.lm_head_kernel``; ``overlap``: CPU work to run
-    while the GPU finishes (module docstring)."""
+    while the GPU finishes (module docstring); ``first_row``: ``rows[0]`` already packed (by the previous step's
+    ``overlap``)."""
     with_topk = bool(loss_fn.needs)
     out = StepResult()
     model.train()
@@ -79,8 +82,8 @@ def forward_backward(
     aux_sum = torch.zeros((), dtype=torch.float64, device=device)
     clock = _Clock(device)
     spans = []
-    for samples in rows:
-        packed = packer.pack(samples)
+    for i, samples in enumerate(rows):
+        packed = first_row if i == 0 and first_row is not None else packer.pack(samples)
         out.attn_pairs += attended_pairs(packed.leave)
         row = packed.to(device, non_blocking=True)
         t0 = clock.mark()

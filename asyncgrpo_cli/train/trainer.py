@@ -69,6 +69,7 @@ class Trainer:
         self._last_save_step = parts.state.step if parts.state.step > 0 else -1  # resumed: that step is saved
         self._last_logged_step = parts.state.step
         self._push_owed = False  # a scheduled weight push did not reach the server (rollout.resync)
+        self._prepacked: tuple[list, Any] | None = None  # (samples, packed row): the next step's first row
         from asyncgrpo_cli.train.flops import StepFlops, peak_tflops
 
         compute = cfg.trainer.mixed_precision or cfg.model.dtype
@@ -111,10 +112,21 @@ class Trainer:
 
     def _prefetch_next(self) -> None:
         """Rank 0, while the GPU finishes this step: plan the queued samples of the next one, at the version it will
-        train at (this step's scheduled weight sync, deferred or not, advances it by one)."""
+        train at (this step's scheduled weight sync, deferred or not, advances it by one). In a single process the
+        next step's first row is packed too, once planned (``forward_backward``'s ``first_row``): with several
+        ranks, rows reach even rank 0 as copies through the scatter, so there is no row to match it with."""
         p = self.p
+        t0 = time.monotonic()
         synced = (p.state.step + 1) % self.cfg.rollout.weight_sync_steps == 0
         p.collector.prefetch(p.state.model_version + int(synced))
+        first = p.collector.first_planned_row() if not self.info.enabled else None
+        self._prepacked = None if first is None else (first, p.packer.pack(first))
+        self.window.add("perf/plan_overlapped_s", time.monotonic() - t0)
+
+    def _take_prepacked(self, rows: list[list]) -> Any:
+        """The packed first row of ``rows`` when ``_prefetch_next`` packed exactly that sample list, else None."""
+        ready, self._prepacked = self._prepacked, None
+        return ready[1] if ready is not None and rows and rows[0] is ready[0] else None
 
     def _split(self, step: StepBatch | None) -> list[RankStep]:
         world = self.info.world_size
@@ -140,6 +152,7 @@ class Trainer:
             router=p.router,
             head_kernel=self.cfg.model.lm_head_kernel,
             overlap=self._prefetch_next if self.info.is_main else None,
+            first_row=self._take_prepacked(mine.rows),
         )
         raw = reduce_raw_metrics(merge_metric_parts(res.raw_parts), self.info)
         records = p.loss_fn.metric_records(raw)

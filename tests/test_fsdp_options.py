@@ -164,3 +164,22 @@ def test_a_prepacked_first_row_and_the_overlap_hook_leave_the_step_unchanged(tin
     assert results[0][0] == results[1][0]
     for name, grad in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], grad, rtol=0, atol=0)
+
+
+def test_a_row_with_an_id_outside_the_vocabulary_is_refused_before_its_forward(tiny_model_dir):
+    """The LM head's id checks run on each packed row's host copies (no device sync mid-forward): a bad id still
+    stops the step with the head's message, before anything reaches the model."""
+    from asyncgrpo_cli.bench.trainer_overhead import synthetic_groups
+
+    model = _tiny(tiny_model_dir)
+    vocab = model.config.vocab_size
+    samples = synthetic_groups(
+        np.random.default_rng(2), 1, 2, prompt_len=8, completion_len=8, vocab=vocab, num_topk=0
+    )
+    samples[1].input_ids[-1] = vocab + 5  # a trained token: a target id past the vocabulary
+    calls = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    packer, loss_fn = SequencePacker(PackingConfig(kind="sequence")), ClippedLoss(LossConfig())
+    with pytest.raises(ValueError, match=rf"a target id is outside the vocabulary \[0, {vocab}\)"):
+        forward_backward(model, [samples], sum(s.num_trained for s in samples), packer, loss_fn, CPU, 1.0)
+    assert calls == []

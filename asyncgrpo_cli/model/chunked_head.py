@@ -218,12 +218,14 @@ def checked_candidates(
     targets: torch.Tensor,
     candidate_ids: torch.Tensor | None,
     support_ids: torch.Tensor | None,
+    ids_checked: bool = False,
 ) -> torch.Tensor:
-    """``candidate_ids`` as the [N, K] tensor the head functions take (K = 0 for None), after :func:`check_inputs`."""
+    """``candidate_ids`` as the [N, K] tensor the head functions take (K = 0 for None), after :func:`check_inputs`
+    (its id ranges skipped when ``ids_checked``: the caller ran :func:`check_ids` on the host copies)."""
     cands = candidate_ids
     if cands is None:
         cands = torch.empty(hidden.shape[0], 0, dtype=torch.long, device=hidden.device)
-    check_inputs(hidden, weight, targets, cands, support_ids)
+    check_inputs(hidden, weight, targets, cands, support_ids, ids=not ids_checked)
     return cands
 
 
@@ -233,8 +235,9 @@ def check_inputs(
     targets: torch.Tensor,
     candidate_ids: torch.Tensor,
     support_ids: torch.Tensor | None,
+    ids: bool = True,
 ) -> None:
-    """Shapes, and id ranges (one device sync): every id in [0, V) (-1 allowed as padding), targets in S."""
+    """Shapes, and with ``ids`` the id ranges of :func:`check_ids` (one device sync on a GPU)."""
     n, vocab = hidden.shape[0], weight.shape[0]
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -246,11 +249,24 @@ def check_inputs(
         )
     if support_ids is not None and (support_ids.ndim != 2 or support_ids.shape[0] != n):
         raise ValueError(f"support_ids {tuple(support_ids.shape)} must be [N={n}, C]")
+    if ids:
+        check_ids(vocab, targets, candidate_ids, support_ids)
+
+
+def check_ids(
+    vocab: int, targets: torch.Tensor, candidate_ids: torch.Tensor | None, support_ids: torch.Tensor | None
+) -> None:
+    """Every id in [0, vocab) (-1 allowed as padding in ``candidate_ids`` / ``support_ids``) and every target in
+    its candidate set; ValueError naming the first problem. One read of the results: free on host tensors (the
+    trainer checks each packed row before its copy to the GPU), a device sync on GPU tensors. An id out of range
+    would otherwise reach the head's gathers and kernels (a device-side assert, or garbage)."""
     problems = {
         f"a target id is outside the vocabulary [0, {vocab})": (targets < 0) | (targets >= vocab),
-        f"a candidate id is outside [0, {vocab}) (padding is -1)": (candidate_ids < -1)
-        | (candidate_ids >= vocab),
     }
+    if candidate_ids is not None:
+        problems[f"a candidate id is outside [0, {vocab}) (padding is -1)"] = (candidate_ids < -1) | (
+            candidate_ids >= vocab
+        )
     if support_ids is not None:
         has_set = (support_ids >= 0).any(1)
         in_set = (support_ids == targets[:, None]).any(1)
@@ -275,6 +291,7 @@ def chunked_token_stats(
     support_ids: torch.Tensor | None = None,
     vocab_chunk: int | None = None,
     position_chunk: int | None = None,
+    ids_checked: bool = False,
 ) -> HeadStats:
     """Log-probs of ``targets`` [N], entropies and log-probs of ``candidate_ids`` [N, K] (-1 = absent) under
     softmax(transform(hidden Wᵀ + b)), optionally renormalized over ``support_ids`` [N, C] (see the module doc).
@@ -282,14 +299,15 @@ def chunked_token_stats(
     Never forms more than a [position_chunk, vocab_chunk] tile of logits; gradients flow to hidden, weight and
     bias through the log-probs and candidate log-probs. ``candidate_logprobs`` is None when no ids are given.
     Chunk sizes default by device (:func:`tile_shape`). The trainer reaches this through ``model/head.py``, which
-    runs the fused Triton head instead where it can (``model.lm_head_kernel``).
+    runs the fused Triton head instead where it can (``model.lm_head_kernel``). ``ids_checked``: the caller ran
+    :func:`check_ids` on host copies of the ids, so the device sync of that check is skipped here.
     """
     default_positions, default_vocab = tile_shape(hidden.device)
     vocab_chunk = default_vocab if vocab_chunk is None else vocab_chunk
     position_chunk = default_positions if position_chunk is None else position_chunk
     if vocab_chunk < 1 or position_chunk < 1:
         raise ValueError(f"chunk sizes must be positive, got vocab {vocab_chunk}, positions {position_chunk}")
-    cands = checked_candidates(hidden, weight, targets, candidate_ids, support_ids)
+    cands = checked_candidates(hidden, weight, targets, candidate_ids, support_ids, ids_checked)
     logprobs, entropy, cand_logprobs = ChunkedHeadFunction.apply(
         hidden, weight, bias, targets, cands, support_ids, transform, vocab_chunk, position_chunk
     )

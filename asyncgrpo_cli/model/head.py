@@ -46,11 +46,19 @@ def token_stats(
     candidate_ids: torch.Tensor | None = None,
     support_ids: torch.Tensor | None = None,
     kernel: str = "auto",
+    ids_checked: bool = False,
 ) -> HeadStats:
-    """:func:`~asyncgrpo_cli.model.chunked_head.chunked_token_stats`'s outputs from the head ``kernel`` selects."""
+    """:func:`~asyncgrpo_cli.model.chunked_head.chunked_token_stats`'s outputs from the head ``kernel`` selects
+    (``ids_checked``: the ids' ranges were checked on the host, ``chunked_head.check_ids``)."""
     if kernel not in HEAD_KERNELS:
         raise ValueError(f"model.lm_head_kernel={kernel!r}: use one of {', '.join(HEAD_KERNELS)}")
-    kw = dict(bias=bias, transform=transform, candidate_ids=candidate_ids, support_ids=support_ids)
+    kw = dict(
+        bias=bias,
+        transform=transform,
+        candidate_ids=candidate_ids,
+        support_ids=support_ids,
+        ids_checked=ids_checked,
+    )
     if kernel == "torch" or support_ids is not None:
         return chunked_head.chunked_token_stats(hidden, weight, targets, **kw)
     why_not = fused_head.unsupported(hidden, interpreter=kernel == "triton")
@@ -63,7 +71,7 @@ def token_stats(
         hidden.device, weight.dtype, weight.shape[1], bias, transform, num_ids
     ):
         return chunked_head.chunked_token_stats(hidden, weight, targets, **kw)
-    cands = chunked_head.checked_candidates(hidden, weight, targets, candidate_ids, None)
+    cands = chunked_head.checked_candidates(hidden, weight, targets, candidate_ids, None, ids_checked)
     logprobs, entropy, cand_logprobs = fused_head.FusedHeadFunction.apply(
         hidden, weight, bias, targets, cands, transform
     )

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from asyncgrpo_cli.model.chunked_head import check_ids
 from asyncgrpo_cli.model.flex import FLEX_IMPLS, row_block_mask
 from asyncgrpo_cli.model.gdn import layer_masks, recurrence_kwargs
 from asyncgrpo_cli.model.head import token_stats
@@ -86,6 +87,18 @@ def _head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     return head.weight, head.bias
 
 
+def check_row_ids(model: nn.Module, row: PackedRow, with_topk: bool) -> None:
+    """The id checks of the LM head (``chunked_head.check_ids``) on ``row``'s tensors where they are: on the host
+    copies of a packed row, before they go to the GPU, they cost no device sync. ``with_topk``: the head will also
+    score ``row.candidate_ids``."""
+    check_ids(
+        int(_head(model)[0].shape[0]),
+        row.target_ids,
+        row.candidate_ids if with_topk else None,
+        row.support_ids,
+    )
+
+
 def _transform(model: nn.Module, temperature: float) -> LogitTransform:
     """The model's logit scale and final soft-capping where it has them, then 1 / temperature."""
     return LogitTransform(
@@ -133,6 +146,7 @@ def token_logprobs(
     support_ids: torch.Tensor | None = None,
     router: RouterAux | None = None,
     head_kernel: str = "auto",
+    ids_checked: bool = False,
 ) -> TokenStats:
     """Run the decoder on ``row`` and compute :class:`TokenStats` at its ``pred_index`` positions.
 
@@ -140,7 +154,8 @@ def token_logprobs(
     sampling candidate set; log-probs, entropies and top-k log-probs are then renormalized over it (a row of only
     -1 keeps the full vocabulary). None (the default) normalizes over the full vocabulary. ``router``: also compute
     the row's router aux loss (``TokenStats.aux_loss``). ``head_kernel``: ``model.lm_head_kernel`` (auto, torch,
-    triton; see ``model/head.py``).
+    triton; see ``model/head.py``). ``ids_checked``: the row's ids were checked on the host (:func:`check_row_ids`),
+    so the head skips its device-side check (a host sync in the middle of the forward).
     """
     if temperature <= 0:
         raise ValueError(f"sampling.temperature must be positive for training log-probs, got {temperature}")
@@ -164,6 +179,7 @@ def token_logprobs(
         candidate_ids=row.candidate_ids if with_topk else None,
         support_ids=support_ids,
         kernel=head_kernel,
+        ids_checked=ids_checked,
     )
     aux_loss = row_aux_loss(router, out, row)
     return TokenStats(stats.logprobs, stats.entropy, stats.candidate_logprobs, aux_loss)

@@ -15,9 +15,10 @@ over the W ranks turns the sum over rows into ``coef`` times the mean aux loss o
 ``(1/W) Σ_ranks Σ_rows coef ∇aux_row / R = coef ∇ mean_rows(aux_row)``. The raw aux losses are summed in
 ``StepResult.aux_sum`` (and counted in ``aux_rows``) for the ``aux_loss`` metric.
 
-No host sync until the step's loss is read: rows go to the device with ``non_blocking`` copies (pageable memory is
-staged by the driver, so nothing waits for queued work), and the CPU runs ahead of the GPU, packing the next row
-while the previous one computes. ``overlap`` runs once the last backward is queued, before that read: CPU work
+No host sync until the step's loss is read: each packed row's ids are checked on the host (the LM head would
+otherwise read a device-side check back in the middle of the forward), rows go to the device with
+``non_blocking`` copies (pageable memory is staged by the driver, so nothing waits for queued work), and the CPU
+runs ahead of the GPU, packing the next row while the previous one computes. ``overlap`` runs once the last backward is queued, before that read: CPU work
 of the trainer (planning the next step, ``StepCollector.prefetch``) that then runs under the GPU's work instead
 of after it. ``fwd_s`` / ``fwd_bwd_s`` are GPU time on CUDA (events, read after the sync), wall time on CPU.
 """
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncgrpo_cli.model.logprobs import TokenStats, token_logprobs
+from asyncgrpo_cli.model.logprobs import TokenStats, check_row_ids, token_logprobs
 from asyncgrpo_cli.samples import TrainingSequence
 from asyncgrpo_cli.train.flops import attended_pairs
 
@@ -84,6 +85,7 @@ def forward_backward(
     spans = []
     for i, samples in enumerate(rows):
         packed = first_row if i == 0 and first_row is not None else packer.pack(samples)
+        check_row_ids(model, packed, with_topk)  # on the host copies: the head then skips its device check
         out.attn_pairs += attended_pairs(packed.leave)
         row = packed.to(device, non_blocking=True)
         t0 = clock.mark()
@@ -164,6 +166,7 @@ def _through_root(
             support_ids=row.support_ids,
             router=router,
             head_kernel=head_kernel,
+            ids_checked=True,
         )
         # FSDP2 hooks the root's outputs for backward; a view output would lose that hook on in-place use.
         return tuple(

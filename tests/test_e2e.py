@@ -89,6 +89,8 @@ def test_train_writes_metrics_checkpoint_and_resumes(tmp_path):
     missing = [m for m in REFERENCE_METRICS if m not in seen]
     assert not missing, missing
     assert rows[-1]["model_version"] == 3  # one sync per step
+    # step 1 trains what version 0 generated; the samples planned during it for step 2 are logged with step 2
+    assert rows[0]["sample/staleness_max"] == 0
     assert rows[-1]["num_tokens"] > rows[0]["num_tokens"] > 0
     assert (run / "resolved.yaml").is_file()
     ckpts = sorted((run / "checkpoints").iterdir())

@@ -199,8 +199,13 @@ def test_prefetch_plans_what_is_queued_without_waiting_and_collect_gets_the_same
     ahead.prefetch(model_version=3)
     assert rollout.waits == 0  # never waited on the queue
     assert len(rollout.items) == 1  # stopped once the step was planned: two micro-batches, one sample left
-    assert window.reduce()["sample/dropped_stale_count"] == 1  # dropped at the version it is planned for
+    assert (
+        "sample/dropped_stale_count" not in window.reduce()
+    )  # held for the step it belongs to, not this one
     step = ahead.collect(model_version=3)
+    got = window.reduce()
+    assert got["sample/dropped_stale_count"] == 1  # dropped at the version it was planned for, logged now
+    assert got["sample/staleness_max"] == 1  # the 40-token sample, one version behind the step that trains it
     assert rollout.waits == 0  # collect needed nothing more
     assert step is not None and expected is not None
     assert [[len(s) for s in mb.rows[0]] for mb in step.microbatches] == [

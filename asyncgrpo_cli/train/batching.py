@@ -71,9 +71,9 @@ class StepCollector:
         self.should_stop = should_stop or (lambda: False)
         self.rollout_done = False
         self._carry: list[MicroBatch] = []
-        self._prefetched_for: int | None = (
-            None  # the version ``prefetch`` planned samples at, until ``collect``
-        )
+        # until ``collect``: the version ``prefetch`` planned samples at, and their metrics (held for that step)
+        self._prefetched_for: int | None = None
+        self._held: list[tuple[str, float]] | None = None
         rows_per_step = grad_accum * planner.num_ranks
         rollout.set_allowance(initial_allowance(max_staleness, planner.token_budget, rows_per_step))
 
@@ -94,11 +94,21 @@ class StepCollector:
         stops when that step is planned or the queue is empty (module docstring). The trainer calls it while the
         GPU finishes the current step; ``collect(model_version)`` then starts from what it planned."""
         self._prefetched_for = model_version
+        if self._held is None:
+            self._held = []
         while not self.rollout_done and len(self._carry) < self.grad_accum:
             item = self.rollout.poll()
             if item is None:
                 break
             self._handle(item, model_version)
+
+    def _metric(self, name: str, value: float) -> None:
+        """A sample's metric: into the window, or held for the step that trains it (``prefetch`` runs during the
+        step before, whose window would otherwise log it)."""
+        if self._held is not None:
+            self._held.append((name, value))
+        else:
+            self.metrics.add(name, value)
 
     def first_planned_row(self) -> list[TrainingSequence] | None:
         """Rank 0's row of the next micro-batch ``collect`` will return, when one is planned already (else None)."""
@@ -112,6 +122,9 @@ class StepCollector:
                 f"{model_version}: their staleness was checked against the wrong version"
             )
         self._prefetched_for = None
+        held, self._held = self._held or [], None
+        for name, value in held:
+            self.metrics.add(name, value)
         step = StepBatch(microbatches=[])
         while len(step.microbatches) < self.grad_accum:
             if self._carry:
@@ -154,17 +167,17 @@ class StepCollector:
             return
         sample: TrainingSequence = item
         self.rollout.add_consumed(len(sample))
-        self.metrics.add("sample/time_in_queue_s", max(0.0, time.time() - sample.enqueued_at))
+        self._metric("sample/time_in_queue_s", max(0.0, time.time() - sample.enqueued_at))
         if is_stale(model_version, sample.model_version, self.max_staleness):
-            self.metrics.add("sample/dropped_stale_count", 1)
+            self._metric("sample/dropped_stale_count", 1)
             self.tracker.on_sample_done(sample.prompt_seq, sample.group_num_samples)
             return
-        self.metrics.add("sample/staleness_mean", model_version - sample.model_version)
-        self.metrics.add("sample/staleness_max", model_version - sample.model_version)
+        self._metric("sample/staleness_mean", model_version - sample.model_version)
+        self._metric("sample/staleness_max", model_version - sample.model_version)
         dropped_before = self.planner.dropped_oversize_count
         mb = self.planner.add(sample)
         if self.planner.dropped_oversize_count > dropped_before:
-            self.metrics.add("batch/dropped_oversize_count", 1)
+            self._metric("batch/dropped_oversize_count", 1)
             self.tracker.on_sample_done(sample.prompt_seq, sample.group_num_samples)
         if mb is not None:
             self._carry.append(mb)

@@ -26,6 +26,8 @@ def parse_key_values(cls: type, argv: list[str]) -> tuple[Any | None, list[str]]
             data[key] = [yaml.safe_load(x) for x in value.split(",") if x]
         else:
             data[key] = yaml.safe_load(value)
-    cfg = build_dataclass(cls, data, "bench", errors) if not errors else None
+    if errors:
+        return None, errors
+    cfg = build_dataclass(cls, data, "bench", errors)
     # a config with a wrong-typed field (the validator keeps a placeholder there) is no config to check further
     return (None if errors else cfg), errors

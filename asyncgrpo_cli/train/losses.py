@@ -175,8 +175,8 @@ def _base_metrics(stats: TokenStats, row: PackedRow, ratio: torch.Tensor, mask: 
 def _clip_metrics(row: PackedRow, low: torch.Tensor, high: torch.Tensor) -> dict:
     """Token counts, and the smallest / largest per-sample fraction over samples with trained tokens.
 
-    Samples without trained tokens take the reduction's identity (inf / -inf) through ``where`` rather than being
-    left out by a boolean index: selecting by a mask needs the selected count on the host, a device sync in the
+    Samples without trained tokens take the reduction's identity (inf / -inf) through ``masked_fill`` rather than
+    being left out by a boolean index: selecting by a mask needs the selected count on the host, a device sync in the
     middle of every row's loss that would hold the CPU until the row's forward finished."""
     idx = row.sample_index
     n = torch.zeros(row.num_samples, device=low.device).index_add_(

@@ -18,9 +18,9 @@ over the W ranks turns the sum over rows into ``coef`` times the mean aux loss o
 No host sync until the step's loss is read: each packed row's ids are checked on the host (the LM head would
 otherwise read a device-side check back in the middle of the forward), rows go to the device with
 ``non_blocking`` copies (pageable memory is staged by the driver, so nothing waits for queued work), and the CPU
-runs ahead of the GPU, packing the next row while the previous one computes. ``overlap`` runs once the last backward is queued, before that read: CPU work
-of the trainer (planning the next step, ``StepCollector.prefetch``) that then runs under the GPU's work instead
-of after it. ``fwd_s`` / ``fwd_bwd_s`` are GPU time on CUDA (events, read after the sync), wall time on CPU.
+runs ahead of the GPU, packing the next row while the previous one computes. ``overlap`` runs once the last
+backward is queued, before that read: CPU work of the trainer (planning the next step,
+``StepCollector.prefetch``) that then runs under the GPU's work instead of after it. ``fwd_s`` / ``fwd_bwd_s`` are GPU time on CUDA (events, read after the sync), wall time on CPU.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The GRPO losses queue their work without a host sync on CUDA (so the trainer's CPU runs ahead of the GPU and
-plans the next step under it, ``train/step.py``), and give the same metrics as on CPU."""
+"""No host sync on CUDA, so the trainer's CPU runs ahead of the GPU and plans the next step under it
+(``train/step.py``): the GRPO losses (same metrics as on CPU), and a whole warm training step up to its
+``overlap`` hook. Skipped without a CUDA device (the ``gpu`` marker, ``tests/conftest.py``)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,6 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("loss_cls", [ClippedLoss, ScoreCenteringLoss])
 def test_a_loss_and_its_metrics_never_sync_the_host(loss_cls):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
     logp, row, entropy = clipped_inputs()  # sample 2 of the row has no trained token
     n = logp.shape[0]
     gen = torch.Generator().manual_seed(0)
@@ -49,8 +48,6 @@ def test_a_training_step_queues_every_row_without_a_host_sync(tmp_path):
     """forward_backward on flex attention, with the trainer's loader and the default head: after a warm-up step
     (compilation and the fused head's first-use check may sync), a step of two tree rows queues both forwards and
     backwards without one synchronizing CUDA call until the ``overlap`` hook, which runs before the loss is read."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
     import numpy as np
 
     from asyncgrpo_cli.config.schema import ModelConfig, PackingConfig

@@ -103,6 +103,17 @@ def test_bad_arguments_name_the_key():
         UserError, match=r"bench.linear_attention_kernel \(triton\) must be auto, torch or fla"
     ):
         parse_args(["linear_attention_kernel=triton"])
+    assert parse_args(["flex_options=fwd_64x64_w4+bwd_64_w4"]).flex_options == "fwd_64x64_w4+bwd_64_w4"
+    with pytest.raises(UserError, match=r"bench.flex_options \(fwd_64x64_w4\+fast\): names among default"):
+        parse_args(["flex_options=fwd_64x64_w4+fast"])
+
+
+def test_flex_options_merge_a_forward_and_a_backward_candidate():
+    from asyncgrpo_cli.bench.attention import KERNEL_OPTIONS, merged_options
+
+    merged = merged_options("fwd_64x64_w4+bwd_64_w4")
+    assert merged == {**KERNEL_OPTIONS["fwd_64x64_w4"], **KERNEL_OPTIONS["bwd_64_w4"]}
+    assert merged["fwd_BLOCK_M"] == 64 and merged["bwd_num_warps"] == 4 and merged_options("default") == {}
 
 
 def test_a_baseline_of_other_work_is_flagged(tmp_path):

@@ -184,3 +184,48 @@ def test_loader_refuses_flex_on_cpu(tiny_model_dir):
     cfg = ModelConfig(name_or_path=str(tiny_model_dir), attn_implementation="flex_attention")
     with pytest.raises(UserError, match="needs a CUDA device"):
         load_policy(str(tiny_model_dir), cfg, torch.device("cpu"))
+
+
+def test_kernel_options_are_checked_against_torch_and_reach_every_flex_call(qwen3, one_torch_thread):
+    from asyncgrpo_cli.model import flex
+
+    with pytest.raises(ValueError, match="model.flex_kernel_options: fwd_BLOCK_Q not among"):
+        flex.set_kernel_options({"fwd_BLOCK_Q": 64})
+    row = TreePacker(PackingConfig()).pack(
+        forked_groups(np.random.default_rng(3), vocab=qwen3.config.vocab_size)
+    )
+    try:
+        flex.set_kernel_options({"fwd_BLOCK_M": 64, "bwd_num_warps": 4})  # prefixed names are accepted
+        assert flex._KERNEL_OPTIONS == {"fwd_BLOCK_M": 64, "bwd_num_warps": 4}
+        # a value torch itself refuses proves the options reach the call (eager CPU flex ignores block sizes)
+        flex.set_kernel_options({"BACKEND": "NO_SUCH_BACKEND"})
+        with pytest.raises(ValueError, match="Invalid BACKEND value 'NO_SUCH_BACKEND'"):
+            run_both(qwen3, row)
+    finally:
+        flex.set_kernel_options({})
+        qwen3.set_attn_implementation("sdpa")
+    assert flex._KERNEL_OPTIONS == {}
+
+
+def test_config_checks_flex_kernel_options():
+    pytest.importorskip("hydra")  # absent on the GPU hosts
+    from asyncgrpo_cli.config.compose import compose_config
+
+    cfg = compose_config(["+recipe=tiny", "+model.flex_kernel_options={fwd_BLOCK_M:64,fwd_num_warps:4}"])
+    assert cfg.model.flex_kernel_options == {"fwd_BLOCK_M": 64, "fwd_num_warps": 4}
+    with pytest.raises(
+        ConfigError, match="model.flex_kernel_options is set but model.attn_implementation=sdpa"
+    ):
+        compose_config(
+            ["+recipe=tiny", "model.attn_implementation=sdpa", "+model.flex_kernel_options={BLOCK_M:64}"]
+        )
+    with pytest.raises(ConfigError, match=r"model.flex_kernel_options.BLOCK_M \(\[64\]\) must be an integer"):
+        compose_config(["+recipe=tiny", "+model.flex_kernel_options={BLOCK_M:[64]}"])
+
+
+def test_the_loader_refuses_an_unknown_kernel_option_naming_the_key(tiny_model_dir):
+    from asyncgrpo_cli.model.loading import load_policy
+
+    cfg = ModelConfig(name_or_path=str(tiny_model_dir), flex_kernel_options={"BLOCK_Q": 64})
+    with pytest.raises(UserError, match="model.flex_kernel_options: BLOCK_Q not among"):
+        load_policy(str(tiny_model_dir), cfg, torch.device("cuda"))

@@ -41,6 +41,7 @@ KERNEL_OPTIONS: dict[str, dict[str, Any]] = {
     "default": {},
     "fwd_128x128_s2": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_stages": 2, "fwd_num_warps": 8},
     "fwd_128x64_s4": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 4, "fwd_num_warps": 8},
+    "fwd_64x64_w4": {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 4},
     "tma": {"USE_TMA": True},
     "bwd_64_w4": {
         **{f"bwd_{k}": 64 for k in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")},
@@ -67,6 +68,11 @@ KERNEL_OPTIONS: dict[str, dict[str, Any]] = {
 """Candidate ``flex_attention(kernel_options=...)``: ``fwd_`` / ``bwd_`` keys reach only that pass's kernel. For
 bf16 and head dim 128 on Hopper torch picks BLOCK_M/N 128/64, 3 stages, 8 warps forward and 64/128/128/64, 3
 stages, 8 warps backward; the candidates move one of those at a time."""
+
+
+def merged_options(names: str) -> dict[str, Any]:
+    """The kernel options of ``KERNEL_OPTIONS`` names joined by ``+`` (later names win a shared key)."""
+    return {k: v for name in names.split("+") for k, v in KERNEL_OPTIONS[name].items()}
 
 
 @dataclass

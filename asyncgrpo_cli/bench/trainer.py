@@ -8,7 +8,8 @@ Usage (one process per GPU; rank 0 prints the table)::
 Keys (:class:`TrainerBenchConfig`): ``shapes=0.6b,1.7b`` (Qwen3 shapes; ``qwen3.5-2b``: Qwen3.5-2B's gated-DeltaNet
 hybrid text decoder; ``tiny``, ``tiny-qwen3.5``: CPU smoke tests; random weights, built without the hub),
 ``linear_attention_kernel`` (model.linear_attention_kernel of hybrids: auto, torch, fla), ``lm_head_kernel``
-(model.lm_head_kernel: auto, torch, triton; the head that ran is printed),
+(model.lm_head_kernel: auto, torch, triton; the head that ran is printed), ``flex_options`` (a ``bench attention``
+candidate as model.flex_kernel_options),
 ``token_budget`` (forwarded tokens per row, one row per rank per micro-batch), ``grad_accum``, ``precision``,
 ``gradient_checkpointing``, ``compile``, ``reshard_after_forward``, ``packing``, ``attn``, ``steps``, ``warmup``,
 ``out=PATH`` (JSON), ``baseline=PATH`` (a 1-GPU JSON: adds scaling efficiency = tokens/s per GPU over the
@@ -97,6 +98,9 @@ class TrainerBenchConfig:
     """model.linear_attention_kernel of hybrid shapes: auto (fla on CUDA when installed, else torch), torch, fla."""
     lm_head_kernel: str = "auto"
     """model.lm_head_kernel: auto (the fused Triton head on CUDA when Triton imports), torch (chunked), triton."""
+    flex_options: str = "default"
+    """model.flex_kernel_options: candidates of ``bench attention`` (``bench/attention.py`` KERNEL_OPTIONS), joined
+    by ``+`` to merge them (e.g. a forward and a backward candidate: ``fwd_128x64_s4+bwd_64_w4``)."""
     loss: str = "score_centering"
     prompt_len: int = 512
     completion_len: int = 4096
@@ -122,6 +126,7 @@ def parse_args(argv: list[str]) -> TrainerBenchConfig:
 
 
 def _range_errors(cfg: TrainerBenchConfig) -> list[str]:
+    from asyncgrpo_cli.bench.attention import KERNEL_OPTIONS
     from asyncgrpo_cli.model.head import HEAD_KERNELS
 
     checks = [
@@ -141,6 +146,10 @@ def _range_errors(cfg: TrainerBenchConfig) -> list[str]:
         (
             cfg.lm_head_kernel in HEAD_KERNELS,
             f"bench.lm_head_kernel ({cfg.lm_head_kernel}) must be one of {', '.join(HEAD_KERNELS)}",
+        ),
+        (
+            all(n in KERNEL_OPTIONS for n in cfg.flex_options.split("+")),
+            f"bench.flex_options ({cfg.flex_options}): names among {', '.join(KERNEL_OPTIONS)}, joined by +",
         ),
         (cfg.steps >= 1 and cfg.warmup >= 0 and cfg.grad_accum >= 1, "bench.steps / grad_accum must be >= 1"),
         (
@@ -203,6 +212,10 @@ def build_trainer(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, r
     )
     if cfg.attn is not None:
         model_cfg.attn_implementation = cfg.attn
+    if cfg.flex_options != "default":
+        from asyncgrpo_cli.bench.attention import merged_options
+
+        model_cfg.flex_kernel_options = merged_options(cfg.flex_options)
     tcfg = TrainerConfig(
         mixed_precision=mixed, compile=cfg.compile, reshard_after_forward=cfg.reshard_after_forward
     )
@@ -296,6 +309,7 @@ def bench_shape(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, roo
     import torch
 
     from asyncgrpo_cli.model import fused_head
+    from asyncgrpo_cli.model.flex import FLEX_IMPLS
 
     t = build_trainer(shape, cfg, info, device, root)
     config, attn = t.model.config, t.model.config._attn_implementation
@@ -325,6 +339,7 @@ def bench_shape(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, roo
         "lm_head_kernel": fused_head.head_that_runs(cfg.lm_head_kernel, device),
         "world_size": info.world_size,
         "attn_implementation": attn,
+        "flex_options": cfg.flex_options if attn in FLEX_IMPLS else "default",
         "tokens_per_step": tokens,
         "step_s": mean_step,
         "step_s_min": float(np.min(step_s)),
@@ -381,6 +396,7 @@ SAME_WORK = (
     "attn",
     "linear_attention_kernel",
     "lm_head_kernel",
+    "flex_options",
     "loss",
     "prompt_len",
     "completion_len",
@@ -388,7 +404,7 @@ SAME_WORK = (
     "num_topk",
 )
 """Keys a baseline must share for its tokens/s to be comparable."""
-LATER_KEYS = {"linear_attention_kernel": "auto", "lm_head_kernel": "torch"}
+LATER_KEYS = {"linear_attention_kernel": "auto", "lm_head_kernel": "torch", "flex_options": "default"}
 """Keys added after baselines were written, with the value those runs had."""
 
 
@@ -430,6 +446,7 @@ def table_row(r: dict[str, Any]) -> str:
         f"{r['optimizer_s']:>6.3f} {r['tokens_per_s']:>9.0f} {r['tokens_per_s_per_gpu']:>9.0f} "
         f"{r['model_tflops_per_gpu']:>11.4g} {mfu:>6} {r['peak_allocated_gib']:>8.1f} "
         f"{f'{100 * eff:.0f}%' if eff is not None else '-':>6}  {r['attn_implementation']}"
+        + (f" ({r['flex_options']})" if r.get("flex_options", "default") != "default" else "")
         + (f", LM head: {r['lm_head_kernel']}" if r.get("lm_head_kernel") else "")
         + (f", gated DeltaNet: {r['linear_attention_kernel']}" if r.get("linear_attention_kernel") else "")
     )

@@ -133,8 +133,16 @@ def trainer_errors(tr: TrainerConfig) -> Iterator[str]:
 
 def model_errors(model: ModelConfig) -> Iterator[str]:
     """Nothing beyond its choices (dtype, attn_implementation, lora.bias when model.lora is on): the rest of
-    model.lora reads server too (``lora_policy.config_errors``, a cross-group rule)."""
-    yield from ()
+    model.lora reads server too (``lora_policy.config_errors``, a cross-group rule). The names of
+    model.flex_kernel_options are torch's, checked where the model loads (``model/flex.py``)."""
+    if model.flex_kernel_options and model.attn_implementation in ("sdpa", "eager"):
+        yield (
+            f"model.flex_kernel_options is set but model.attn_implementation={model.attn_implementation} does "
+            "not run flex attention: use auto or flex_attention, or drop the options."
+        )
+    for key, value in model.flex_kernel_options.items():
+        if not isinstance(value, (bool, int, str)):
+            yield f"model.flex_kernel_options.{key} ({value!r}) must be an integer, a boolean or a string."
 
 
 def packing_errors(pk: PackingConfig) -> Iterator[str]:

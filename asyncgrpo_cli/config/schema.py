@@ -92,6 +92,12 @@ class ModelConfig:
         "Attention for training: auto (flex_attention on CUDA, sdpa elsewhere), sdpa, eager, or flex_attention "
         "(compiled, block-sparse packed-row masks; CUDA only).",
     )
+    flex_kernel_options: dict[str, Any] = F(
+        help="Triton kernel options of flex attention (torch's FlexKernelOptions; fwd_ / bwd_ prefixes reach one "
+        "pass), e.g. '+model.flex_kernel_options={fwd_BLOCK_M:64,fwd_BLOCK_N:64,fwd_num_warps:4}'. Empty: torch's "
+        "own choice for the GPU. `asyncgrpo bench attention` measures candidates on packed rows.",
+        factory=dict,
+    )
     linear_attention_kernel: LinearAttentionKernel = F(
         "auto",
         "Gated-DeltaNet layers of hybrid models (Qwen3.5, Qwen3-Next): auto (fla's Triton kernels on CUDA when "

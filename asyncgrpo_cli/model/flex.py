@@ -18,6 +18,11 @@ of recompiling for every new row length until dynamo's recompile limit sends it 
 materializes the full score matrix. The padding costs a copy of q/k/v per layer: padded blocks are in no block
 list, so the kernel skips them.
 
+Kernel options (``model.flex_kernel_options``): torch's ``FlexKernelOptions`` (block sizes, stages, warps, TMA;
+``fwd_`` / ``bwd_`` prefixes reach one pass), set once per process by the loader (:func:`set_kernel_options`,
+checked against torch's names) and passed to every ``flex_attention`` call, compiled layers included. Empty:
+torch's own table for the GPU. ``asyncgrpo bench attention`` measures candidates on packed rows' masks.
+
 This module imports neither torch nor transformers at import time (``asyncgrpo check`` validates the choice).
 """
 
@@ -32,6 +37,29 @@ FLEX_IMPL = "asyncgrpo_flex"
 """The transformers ``attn_implementation`` key :func:`flex_attention_forward` is registered under."""
 FLEX_IMPLS = (FLEX_IMPL, "flex_attention")
 """Keys whose attention takes a ``BlockMask`` (transformers' own flex forward too; it gets unpadded masks)."""
+
+
+_KERNEL_OPTIONS: dict[str, Any] = {}
+"""``model.flex_kernel_options`` of this process's policy (:func:`set_kernel_options`)."""
+
+
+def set_kernel_options(options: dict[str, Any]) -> None:
+    """Pass ``options`` to every later flex attention call of this process (the policy's loader sets them).
+
+    Raises ValueError naming ``model.flex_kernel_options`` for a name torch's ``FlexKernelOptions`` lacks
+    (with or without its ``fwd_`` / ``bwd_`` prefix).
+    """
+    from torch.nn.attention.flex_attention import FlexKernelOptions
+
+    known = FlexKernelOptions.__optional_keys__ | FlexKernelOptions.__required_keys__
+    unknown = [k for k in options if k.removeprefix("fwd_").removeprefix("bwd_") not in known]
+    if unknown:
+        raise ValueError(
+            f"model.flex_kernel_options: {', '.join(unknown)} not among this torch's flex attention kernel "
+            f"options ({', '.join(sorted(known))}, optionally prefixed fwd_ / bwd_)"
+        )
+    _KERNEL_OPTIONS.clear()
+    _KERNEL_OPTIONS.update(options)
 
 
 def resolve_attn_implementation(name: str, device: Any) -> str:
@@ -159,6 +187,12 @@ def flex_attention_forward(
     else:
         attend = compiled_flex_attention() if query.is_cuda else flex_attention
     out = attend(
-        query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+        query,
+        key,
+        value,
+        block_mask=attention_mask,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+        kernel_options=dict(_KERNEL_OPTIONS) or None,
     )
     return out[:, :, :n].transpose(1, 2).contiguous(), None

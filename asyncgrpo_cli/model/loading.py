@@ -61,7 +61,7 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from asyncgrpo_cli.model.flex import resolve_attn_implementation
+    from asyncgrpo_cli.model.flex import FLEX_IMPL, resolve_attn_implementation, set_kernel_options
     from asyncgrpo_cli.model.gdn.layer import resolve_kernel
 
     try:
@@ -77,6 +77,8 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
     try:
         attn = resolve_attn_implementation(cfg.attn_implementation, torch.device(device))
         kernel = resolve_kernel(cfg.linear_attention_kernel, torch.device(device)) if linear else None
+        if attn == FLEX_IMPL:
+            set_kernel_options(cfg.flex_kernel_options)
     except ValueError as e:
         raise UserError(str(e)) from e
     model = AutoModelForCausalLM.from_pretrained(

@@ -1,7 +1,8 @@
 """CUDA: compiled flex attention + the interval-built BlockMask equals SDPA + the dense mask on the same packed row
 (log-probs and every parameter gradient, through the trainer's log-prob head with gradient checkpointing), on a
-tree row of ~1.3k tokens (fp32, bf16), on a row whose groups share a system prompt, on ~8k-token tree and
-sequence rows (many 128-blocks, padding to the 8192 bucket), without recompiling for a new row length in the same bucket, and through the trainer's loader."""
+tree row of ~1.3k tokens (fp32, bf16), with kernel options (model.flex_kernel_options), on a row whose groups
+share a system prompt, on ~8k-token tree and sequence rows (many 128-blocks, padding to the 8192 bucket), without
+recompiling for a new row length in the same bucket, and through the trainer's loader."""
 
 from __future__ import annotations
 
@@ -108,6 +109,20 @@ def test_flex_matches_sdpa_on_a_tree_row(dtype):
     )
     assert 1000 < row.num_forwarded < 2048 and row.num_unpacked > 2 * row.num_forwarded
     assert_match(tiny_qwen3(dtype), row, dtype)
+
+
+@pytest.mark.parametrize("options", ["fwd_64x64_w4", "bwd_64_w4"])
+def test_flex_with_kernel_options_matches_sdpa(options):
+    """model.flex_kernel_options (a ``bench attention`` candidate) changes the kernel's tiles, not its result."""
+    from asyncgrpo_cli.bench.attention import merged_options
+    from asyncgrpo_cli.model import flex
+
+    row = TreePacker(PackingConfig()).pack(groups(np.random.default_rng(5), 3, 8, 150, 20)).to(CUDA)
+    flex.set_kernel_options(merged_options(options))
+    try:
+        assert_match(tiny_qwen3(torch.float32), row, torch.float32)
+    finally:
+        flex.set_kernel_options({})
 
 
 def test_flex_matches_sdpa_on_a_row_sharing_a_system_prompt_across_groups():

@@ -109,7 +109,7 @@ class _RowSpec:
 def parse_args(argv: list[str]) -> AttentionBenchConfig:
     from asyncgrpo_cli.bench.args import parse_key_values
     from asyncgrpo_cli.bench.rows import MIN_COMPLETION
-    from asyncgrpo_cli.bench.trainer import SHAPES
+    from asyncgrpo_cli.bench.shapes import SHAPES
 
     cfg, errors = parse_key_values(AttentionBenchConfig, argv)
     if cfg is not None:
@@ -241,7 +241,7 @@ def measure(
 def bench_row(shape: str, budget: int, cfg: AttentionBenchConfig, device: Any) -> list[dict[str, Any]]:
     import torch
 
-    from asyncgrpo_cli.bench.trainer import SHAPES
+    from asyncgrpo_cli.bench.shapes import SHAPES
 
     geometry = SHAPES[shape]
     hq, hkv, d = geometry["num_attention_heads"], geometry["num_key_value_heads"], geometry["head_dim"]

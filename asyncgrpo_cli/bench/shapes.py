@@ -76,6 +76,27 @@ vocabulary 248,320, tied embeddings, rope theta 1e7 on a quarter of each head) a
 tests. Qwen3.5-2B's multi-token-prediction layer and vision tower are not part of a text training step."""
 
 
+SHAPES: dict[str, dict[str, Any]] = {
+    **QWEN3_SHAPES,
+    **QWEN3_5_SHAPES,
+    "tiny": {
+        "model_type": "qwen3",
+        "max_position_embeddings": 40960,
+        "rope_theta": 1_000_000.0,
+        "vocab_size": 1024,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "tie_word_embeddings": True,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+    },
+}
+"""Every shape the GPU benchmarks take by name (``shapes=``): Qwen3, the hybrid, and a tiny Qwen3 for CPU smoke
+tests."""
+
+
 def shape_config(shape: dict[str, Any], **overrides: Any) -> Any:
     """The transformers config of a shape (its ``model_type`` picks the class), with ``overrides``."""
     from transformers import AutoConfig

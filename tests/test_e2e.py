@@ -115,15 +115,26 @@ def test_train_writes_metrics_checkpoint_and_resumes(tmp_path):
 
 def test_weights_synced_every_other_step_plan_each_step_at_its_version(tmp_path):
     """The next step is planned while this one's GPU work runs, at the version it trains at: with a sync every
-    second step that version advances every other step (a wrong guess would stop the run in collect)."""
+    second step that version advances every other step (a wrong guess would stop the run in collect). Steps 2-3
+    are recorded by trainer.profile (one trace of both, with the weight sync that ends step 2)."""
     run = tmp_path / "every-other"
     out = train(
-        "trainer.max_steps=4", "trainer.save_steps=0", "rollout.weight_sync_steps=2", f"hydra.run.dir={run}"
+        "trainer.max_steps=4",
+        "trainer.save_steps=0",
+        "rollout.weight_sync_steps=2",
+        "trainer.profile.steps=[2,3]",
+        f"hydra.run.dir={run}",
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(run)
     assert [(r["step"], r["model_version"]) for r in rows] == [(1, 0), (2, 1), (3, 1), (4, 2)]
     assert all(r["perf/plan_overlapped_s"] >= 0 and r["perf/plan_s"] >= 0 for r in rows)
+    assert sorted(p.name for p in (run / "profile").iterdir()) == [
+        "steps-2-3-rank-0.json.gz",
+        "steps-2-3-rank-0.txt",
+    ]
+    text = (run / "profile" / "steps-2-3-rank-0.txt").read_text()
+    assert text.startswith("steps 2-3 on cpu: wall ") and "| matmul |" in text
 
 
 def test_multirun_sweep_jobs_start_clean(tmp_path):

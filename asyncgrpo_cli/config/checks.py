@@ -111,6 +111,12 @@ def rollout_errors(ro: RolloutConfig) -> Iterator[str]:
 
 
 def trainer_errors(tr: TrainerConfig) -> Iterator[str]:
+    if bad := [s for s in tr.profile.steps if s < 1]:
+        yield f"trainer.profile.steps {bad}: optimizer steps count from 1."
+    if tr.max_steps > 0 and (late := [s for s in tr.profile.steps if s > tr.max_steps]):
+        yield f"trainer.profile.steps {late} never run: trainer.max_steps is {tr.max_steps}."
+    if tr.profile.top < 1:
+        yield f"trainer.profile.top ({tr.profile.top}) must be >= 1."
     if tr.gradient_accumulation_steps < 1:
         yield "trainer.gradient_accumulation_steps must be >= 1."
     if tr.learning_rate < 0:

@@ -311,6 +311,19 @@ class RolloutConfig:
 
 
 @dataclass
+class ProfileConfig:
+    steps: list[int] = F(
+        help="Optimizer steps to record with torch.profiler (e.g. [5,6]: one trace of both); empty: off. Each rank "
+        "writes profile/steps-A-B-rank-R.json.gz (a Chrome / Perfetto trace) and a .txt summary (kernel time by "
+        "kind, the top kernels, against the steps' wall time) into the run directory.",
+        factory=list,
+    )
+    record_shapes: bool = F(False, "Record operator input shapes in the trace (larger traces).")
+    with_stack: bool = F(False, "Record operators' Python stacks (much larger traces, slower steps).")
+    top: int = F(30, "Kernels (operators, on CPU) listed in the summary.")
+
+
+@dataclass
 class TrainerConfig:
     learning_rate: float = F(1e-6, "AdamW learning rate.")
     lr_scheduler_type: LrSchedulerType = F(
@@ -360,6 +373,9 @@ class TrainerConfig:
     dist_timeout: float = F(1800.0, "Seconds a collective may wait for the other ranks before failing.")
     device: TrainDevice = F("auto", "Training device: auto, cpu or cuda.")
     num_threads: int | None = F(None, "torch threads of the trainer on CPU; None: torch's default.")
+    profile: ProfileConfig = F(
+        help="torch.profiler traces of chosen steps (train/profiler.py).", factory=ProfileConfig
+    )
 
 
 @dataclass

@@ -25,6 +25,7 @@ from asyncgrpo_cli.train.checkpoint import TrainerState, data_identity, save_che
 from asyncgrpo_cli.train.compile import compile_meter
 from asyncgrpo_cli.train.distributed import DistInfo, RankStep, reduce_raw_metrics, scatter_step
 from asyncgrpo_cli.train.losses import merge_metric_parts
+from asyncgrpo_cli.train.profiler import StepProfiler
 from asyncgrpo_cli.train.progress import PromptTracker
 from asyncgrpo_cli.train.step import clip_and_step, forward_backward
 from asyncgrpo_cli.train.step_metrics import StepTimes, record_step
@@ -76,6 +77,10 @@ class Trainer:
         self._peak = peak_tflops(parts.device, compute)
         self._flops = StepFlops(parts.model) if self._peak is not None else None
         self._compile_meter = compile_meter() if self.info.is_main else None
+        prof = cfg.trainer.profile
+        self._profiler = (
+            StepProfiler(prof, self.run_dir / "profile", self.info.rank, parts.device) if prof.steps else None
+        )
         if self._compile_meter is not None:
             self._compile_meter.take()  # from here on: what the steps compile
 
@@ -85,17 +90,25 @@ class Trainer:
         if self.info.is_main:
             p.metrics_logger.update_progress(p.state.step, p.tracker.consumed_count)
             p.rollout.on_idle = self.resync_weights_if_needed  # also while waiting for samples
-        while True:
-            if self.info.is_main:
-                self.resync_weights_if_needed()
-            t_step = time.monotonic()
-            step = self._next_step() if self.info.is_main else None
-            mine = scatter_step(self._split(step) if self.info.is_main else None, self.info)
-            if mine.done:
-                break
-            self._train_step(mine, step, t_step)
-            if cfg.trainer.save_steps and p.state.step % cfg.trainer.save_steps == 0:
-                self.save()
+        try:
+            while True:
+                if self.info.is_main:
+                    self.resync_weights_if_needed()
+                if self._profiler is not None:
+                    self._profiler.before(p.state.step + 1)
+                t_step = time.monotonic()
+                step = self._next_step() if self.info.is_main else None
+                mine = scatter_step(self._split(step) if self.info.is_main else None, self.info)
+                if mine.done:
+                    break
+                self._train_step(mine, step, t_step)
+                if self._profiler is not None:
+                    self._profiler.after(p.state.step)
+                if cfg.trainer.save_steps and p.state.step % cfg.trainer.save_steps == 0:
+                    self.save()
+        finally:
+            if self._profiler is not None:
+                self._profiler.close()
         if cfg.trainer.save_final and self._last_save_step != p.state.step and p.state.step > 0:
             self.save()
         if self.info.is_main:

@@ -344,3 +344,17 @@ def test_rejects_flash_attention(qwen3, monkeypatch):
     monkeypatch.setattr(qwen3.config, "_attn_implementation", "flash_attention_2")
     with pytest.raises(ValueError, match="use auto, sdpa, eager or flex_attention"):
         token_logprobs(qwen3, row, 1.0, with_topk=False)
+
+
+def test_sliding_window_guard_runs_on_the_host_copies_before_the_forward():
+    """``check_row`` (the trainer runs it before each row goes to the device) refuses the row with the same
+    message, so ``token_logprobs(row_checked=True)`` can skip its own device-side check."""
+    from asyncgrpo_cli.model.logprobs import check_row
+
+    model = tiny_gemma2(sliding_window=8)
+    with pytest.raises(ValueError, match="longer than the model's sliding window"):
+        check_row(model, pack(random_samples(300, lengths=(9, 5))), with_topk=False)
+    fits = pack(random_samples(300, lengths=(8, 5)))
+    check_row(model, fits, with_topk=False)
+    checked = token_logprobs(model, fits, 1.0, with_topk=False, row_checked=True)
+    torch.testing.assert_close(checked.logprobs, token_logprobs(model, fits, 1.0, with_topk=False).logprobs)

@@ -87,16 +87,28 @@ def _head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     return head.weight, head.bias
 
 
-def check_row_ids(model: nn.Module, row: PackedRow, with_topk: bool) -> None:
-    """The id checks of the LM head (``chunked_head.check_ids``) on ``row``'s tensors where they are: on the host
-    copies of a packed row, before they go to the GPU, they cost no device sync. ``with_topk``: the head will also
-    score ``row.candidate_ids``."""
+def check_row(model: nn.Module, row: PackedRow, with_topk: bool) -> None:
+    """The checks :func:`token_logprobs` makes on ``row``'s tensors, where they are: the LM head's id checks
+    (``chunked_head.check_ids``) and the sliding-window bound. On the host copies of a packed row, before they go
+    to the GPU, they cost no device sync. ``with_topk``: the head will also score ``row.candidate_ids``."""
     check_ids(
         int(_head(model)[0].shape[0]),
         row.target_ids,
         row.candidate_ids if with_topk else None,
         row.support_ids,
     )
+    _check_window(model, row)
+
+
+def _check_window(model: nn.Module, row: PackedRow) -> None:
+    """A 4D mask replaces a model's sliding-window masks, so every sample must fit in the window."""
+    window = getattr(model.config, "sliding_window", None)
+    layer_types = getattr(model.config, "layer_types", None)
+    if window and (layer_types is None or "sliding_attention" in layer_types):
+        if int(row.position_ids.max()) >= window:
+            raise ValueError(
+                f"a sample is longer than the model's sliding window ({window}): packing would be inexact"
+            )
 
 
 def _transform(model: nn.Module, temperature: float) -> LogitTransform:
@@ -108,13 +120,13 @@ def _transform(model: nn.Module, temperature: float) -> LogitTransform:
     )
 
 
-def _attention_mask(model: nn.Module, row: PackedRow, dtype: torch.dtype) -> object:
+def _attention_mask(model: nn.Module, row: PackedRow, dtype: torch.dtype, checked: bool) -> object:
     """The row's mask in the form the model's attention applies (transformers passes 4D masks through as-is).
 
     Flex attention gets a ``BlockMask`` (no dense mask is built). SDPA reads a bool mask as True = attend. Eager
     attention *adds* the mask to the scores, so it needs the additive form (0 / dtype min): a bool mask there is
     silently wrong. Flash kernels ignore a dense mask. A 4D mask also replaces sliding-window masks, so samples
-    must fit in the window.
+    must fit in the window (checked here unless ``checked``: :func:`check_row` ran on the host copies).
     """
     impl = str(getattr(model.config, "_attn_implementation", ""))
     if impl not in ("sdpa", "eager", *FLEX_IMPLS):
@@ -122,13 +134,8 @@ def _attention_mask(model: nn.Module, row: PackedRow, dtype: torch.dtype) -> obj
             f"model.attn_implementation={impl!r} cannot apply a packed row's attention mask: use auto, sdpa, "
             "eager or flex_attention"
         )
-    window = getattr(model.config, "sliding_window", None)
-    layer_types = getattr(model.config, "layer_types", None)
-    if window and (layer_types is None or "sliding_attention" in layer_types):
-        if int(row.position_ids.max()) >= window:
-            raise ValueError(
-                f"a sample is longer than the model's sliding window ({window}): packing would be inexact"
-            )
+    if not checked:
+        _check_window(model, row)  # a device sync for a row on the GPU
     if impl in FLEX_IMPLS:
         return row_block_mask(row.leave, impl)
     mask = row.attention_mask  # dense, built from row.leave on its device
@@ -146,7 +153,7 @@ def token_logprobs(
     support_ids: torch.Tensor | None = None,
     router: RouterAux | None = None,
     head_kernel: str = "auto",
-    ids_checked: bool = False,
+    row_checked: bool = False,
 ) -> TokenStats:
     """Run the decoder on ``row`` and compute :class:`TokenStats` at its ``pred_index`` positions.
 
@@ -154,8 +161,8 @@ def token_logprobs(
     sampling candidate set; log-probs, entropies and top-k log-probs are then renormalized over it (a row of only
     -1 keeps the full vocabulary). None (the default) normalizes over the full vocabulary. ``router``: also compute
     the row's router aux loss (``TokenStats.aux_loss``). ``head_kernel``: ``model.lm_head_kernel`` (auto, torch,
-    triton; see ``model/head.py``). ``ids_checked``: the row's ids were checked on the host (:func:`check_row_ids`),
-    so the head skips its device-side check (a host sync in the middle of the forward).
+    triton; see ``model/head.py``). ``row_checked``: :func:`check_row` ran on the row's host copies, so the
+    head's device-side id check and the sliding-window check (host syncs in the middle of the forward) are skipped.
     """
     if temperature <= 0:
         raise ValueError(f"sampling.temperature must be positive for training log-probs, got {temperature}")
@@ -163,7 +170,7 @@ def token_logprobs(
     out = decoder(
         input_ids=row.input_ids,
         position_ids=row.position_ids,
-        attention_mask=layer_masks(model, _attention_mask(model, row, model.dtype)),
+        attention_mask=layer_masks(model, _attention_mask(model, row, model.dtype, row_checked)),
         use_cache=False,
         **recurrence_kwargs(model, row),
         **router_decoder_kwargs(router),
@@ -179,7 +186,7 @@ def token_logprobs(
         candidate_ids=row.candidate_ids if with_topk else None,
         support_ids=support_ids,
         kernel=head_kernel,
-        ids_checked=ids_checked,
+        ids_checked=row_checked,
     )
     aux_loss = row_aux_loss(router, out, row)
     return TokenStats(stats.logprobs, stats.entropy, stats.candidate_logprobs, aux_loss)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncgrpo_cli.model.logprobs import TokenStats, check_row_ids, token_logprobs
+from asyncgrpo_cli.model.logprobs import TokenStats, check_row, token_logprobs
 from asyncgrpo_cli.samples import TrainingSequence
 from asyncgrpo_cli.train.flops import attended_pairs
 
@@ -85,7 +85,7 @@ def forward_backward(
     spans = []
     for i, samples in enumerate(rows):
         packed = first_row if i == 0 and first_row is not None else packer.pack(samples)
-        check_row_ids(model, packed, with_topk)  # on the host copies: the head then skips its device check
+        check_row(model, packed, with_topk)  # on the host copies: token_logprobs then skips its device checks
         out.attn_pairs += attended_pairs(packed.leave)
         row = packed.to(device, non_blocking=True)
         t0 = clock.mark()
@@ -166,7 +166,7 @@ def _through_root(
             support_ids=row.support_ids,
             router=router,
             head_kernel=head_kernel,
-            ids_checked=True,
+            row_checked=True,
         )
         # FSDP2 hooks the root's outputs for backward; a view output would lose that hook on in-place use.
         return tuple(

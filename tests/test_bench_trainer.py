@@ -139,6 +139,17 @@ def test_bench_on_cpu_writes_json_and_scales_against_a_baseline(tmp_path, capsys
     assert r["scaling_efficiency"] > 0
 
 
+def test_profile_records_untimed_steps_after_the_timed_ones(tmp_path, capsys):
+    out = tmp_path / "prof.json"
+    main([*TINY, "profile=2", f"out={out}"])  # warm-up 1, timed 2-3, profiled 4-5
+    printed = capsys.readouterr().out
+    assert "steps 4-5 on cpu: wall " in printed and "| matmul |" in printed
+    r = json.loads(out.read_text())["results"][0]
+    assert r["profile_summary"].startswith("steps 4-5 on cpu") and r["step_s"] > 0
+    traces = sorted(p.name for p in (tmp_path / "prof-profile" / "tiny").iterdir())
+    assert traces == ["steps-4-5-rank-0.json.gz", "steps-4-5-rank-0.txt"]
+
+
 @pytest.mark.parametrize("packing", ["tree", "sequence"])
 def test_bench_runs_the_tiny_hybrid_through_load_policy_on_cpu(tmp_path, capsys, packing):
     out = tmp_path / "hybrid.json"

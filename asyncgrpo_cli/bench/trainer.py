@@ -13,7 +13,8 @@ candidate as model.flex_kernel_options),
 ``token_budget`` (forwarded tokens per row, one row per rank per micro-batch), ``grad_accum``, ``precision``,
 ``gradient_checkpointing``, ``compile``, ``reshard_after_forward``, ``packing``, ``attn``, ``steps``, ``warmup``,
 ``out=PATH`` (JSON), ``baseline=PATH`` (a 1-GPU JSON: adds scaling efficiency = tokens/s per GPU over the
-baseline's).
+baseline's), ``profile=N`` (N untimed steps after the timed ones under torch.profiler: where the step's GPU time
+goes, by kernel kind, printed under the row; ``train/profiler.py``).
 
 Each step is the trainer's own path: rank 0 builds the rows and scatters them (``scatter_step``), every rank packs
 its row (``packing.kind``), runs ``forward_backward`` (decoder with the configured attention, the LM head of
@@ -94,6 +95,9 @@ class TrainerBenchConfig:
     seed: int = 0
     out: str | None = None
     baseline: str | None = None
+    profile: int = 0
+    """Steps recorded by torch.profiler after the timed ones (untimed): ``trainer.profile``'s summary (kernel time
+    by kind, the top kernels) is printed under the shape's row; with ``out=``, traces go to OUT's stem + -profile/."""
 
 
 def parse_args(argv: list[str]) -> TrainerBenchConfig:
@@ -134,6 +138,7 @@ def _range_errors(cfg: TrainerBenchConfig) -> list[str]:
             f"bench.flex_options ({cfg.flex_options}): names among {', '.join(KERNEL_OPTIONS)}, joined by +",
         ),
         (cfg.steps >= 1 and cfg.warmup >= 0 and cfg.grad_accum >= 1, "bench.steps / grad_accum must be >= 1"),
+        (cfg.profile >= 0, f"bench.profile ({cfg.profile}) must be >= 0"),
         (
             cfg.token_budget >= cfg.prompt_len + MIN_COMPLETION,
             f"bench.token_budget ({cfg.token_budget}) must hold one sample: >= prompt_len + {MIN_COMPLETION}",
@@ -232,9 +237,12 @@ def _sync_time(device: Any) -> float:
     return time.perf_counter()
 
 
-def timed_steps(t: _Trainer, cfg: TrainerBenchConfig, info: Any, device: Any) -> tuple[list, list, float]:
+def timed_steps(
+    t: _Trainer, cfg: TrainerBenchConfig, info: Any, device: Any, profiler: Any = None
+) -> tuple[list, list, float]:
     """Warm-up then timed optimizer steps: (forward+backward seconds, optimizer seconds) per timed step on this
-    rank, and the model FLOPs of the timed steps (rank 0; every rank's rows)."""
+    rank, and the model FLOPs of the timed steps (rank 0; every rank's rows). With ``profiler`` (a
+    ``train/profiler.StepProfiler`` of the ``cfg.profile`` steps after the timed ones), those steps run too."""
     from asyncgrpo_cli.train.distributed import RankStep, reduce_raw_metrics, scatter_step
     from asyncgrpo_cli.train.losses import merge_metric_parts
     from asyncgrpo_cli.train.step import clip_and_step, forward_backward
@@ -242,7 +250,10 @@ def timed_steps(t: _Trainer, cfg: TrainerBenchConfig, info: Any, device: Any) ->
     rng = np.random.default_rng(cfg.seed)
     config, planned = t.model.config, cfg.grad_accum * cfg.token_budget
     fb_s, opt_s, flops = [], [], 0.0
-    for step in range(cfg.warmup + cfg.steps):
+    timed_end = cfg.warmup + cfg.steps
+    for step in range(timed_end + (cfg.profile if profiler is not None else 0)):
+        if profiler is not None:
+            profiler.before(step + 1)
         per_rank = None
         if info.is_main:  # rank 0 plans every rank's rows, as the trainer does
             plans = [
@@ -258,7 +269,7 @@ def timed_steps(t: _Trainer, cfg: TrainerBenchConfig, info: Any, device: Any) ->
             per_rank = [
                 RankStep(done=False, rows=[p.samples for p in rank], num_trained=trained) for rank in plans
             ]
-            if step >= cfg.warmup:
+            if cfg.warmup <= step < timed_end:
                 flops += step_flops(t.flops, [p for rank in plans for p in rank])["total"]
         mine = scatter_step(per_rank, info)
         t0 = _sync_time(device)
@@ -281,10 +292,27 @@ def timed_steps(t: _Trainer, cfg: TrainerBenchConfig, info: Any, device: Any) ->
             raise RuntimeError(f"bench trainer: step {step} gave a non-finite loss ({res.loss})")
         if res.forwarded != planned:  # the FLOP count assumes exactly full rows
             raise RuntimeError(f"bench trainer: rows forwarded {res.forwarded} tokens, planned {planned}")
-        if step >= cfg.warmup:
+        if cfg.warmup <= step < timed_end:
             fb_s.append(t1 - t0)
             opt_s.append(t2 - t1)
+        if profiler is not None:
+            profiler.after(step + 1)
+    if profiler is not None:
+        profiler.close()
     return fb_s, opt_s, flops
+
+
+def _profiler(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, root: Path) -> Any:
+    """The ``StepProfiler`` of the ``cfg.profile`` steps after the timed ones (None without ``profile=``)."""
+    if not cfg.profile:
+        return None
+    from asyncgrpo_cli.config.schema import ProfileConfig
+    from asyncgrpo_cli.train.profiler import StepProfiler
+
+    first = cfg.warmup + cfg.steps + 1
+    out = Path(cfg.out).with_suffix("").as_posix() + "-profile" if cfg.out else root / "profile"
+    steps = list(range(first, first + cfg.profile))
+    return StepProfiler(ProfileConfig(steps=steps, top=20), Path(out) / shape, info.rank, device)
 
 
 def bench_shape(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, root: Path) -> dict[str, Any]:
@@ -297,7 +325,8 @@ def bench_shape(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, roo
     config, attn = t.model.config, t.model.config._attn_implementation
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    fb_s, opt_s, flops = timed_steps(t, cfg, info, device)
+    profiler = _profiler(shape, cfg, info, device, root)
+    fb_s, opt_s, flops = timed_steps(t, cfg, info, device, profiler)
     n = cfg.steps
     worst = _max_over_ranks(
         [f + o for f, o in zip(fb_s, opt_s)]
@@ -322,6 +351,9 @@ def bench_shape(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, roo
         "world_size": info.world_size,
         "attn_implementation": attn,
         "flex_options": cfg.flex_options if attn in FLEX_IMPLS else "default",
+        "profile_summary": profiler.written[1].read_text()
+        if profiler is not None and profiler.written
+        else None,
         "tokens_per_step": tokens,
         "step_s": mean_step,
         "step_s_min": float(np.min(step_s)),
@@ -405,6 +437,8 @@ def main(argv: list[str]) -> None:
                 add_efficiency(result, baseline)
                 results.append(result)
                 print(table_row(result), flush=True)
+                if result["profile_summary"]:
+                    print("\n" + result["profile_summary"], flush=True)
                 if result["mfu"] is not None and result["step_s_max"] > 1.3 * result["step_s_min"]:
                     print(
                         f"  note: timed steps took {result['step_s_min']:.3f}-{result['step_s_max']:.3f} s: "

@@ -89,6 +89,10 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
         attn_implementation=attn,
     )
     logger.info("model.attn_implementation=%s: attention runs as %s", cfg.attn_implementation, attn)
+    if cfg.flex_kernel_options and attn != FLEX_IMPL:
+        logger.warning(
+            "model.flex_kernel_options are not used: attention runs as %s, not flex attention", attn
+        )
     model.config.use_cache = False
     if linear:
         _install_packed_linear_attention(model, path, kernel)

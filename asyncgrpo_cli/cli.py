@@ -141,6 +141,7 @@ def _run_jobs(args: list[str], algorithm: str) -> None:
     saved = sys.argv
     sys.argv = [f"asyncgrpo {verb}", *args]
     previous = signal.signal(signal.SIGTERM, _terminate)
+    _stacks_on_sigusr1()
     try:
         main_fn = hydra.main(
             config_path=str(conf_dir()), config_name=PRIMARY_CONFIGS[algorithm], version_base=None
@@ -155,6 +156,16 @@ def _run_jobs(args: list[str], algorithm: str) -> None:
         if len(_failures) == 1 and not _multirun(args):
             raise SystemExit(code)  # its one message is out already
         _die(f"{len(_failures)} job(s) failed: {', '.join(job for job, _ in _failures)}", code=code)
+
+
+def _stacks_on_sigusr1() -> None:
+    """``kill -USR1 PID`` prints the Python stack of every thread of a run to stderr and the run goes on: where
+    a run that seems stuck is waiting (faulthandler writes from the signal handler, so a thread blocked in C
+    code is shown too)."""
+    import faulthandler
+
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def _multirun(args: list[str]) -> bool:

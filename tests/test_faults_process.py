@@ -95,6 +95,21 @@ def stop_group(proc: subprocess.Popen) -> None:
         proc.communicate(timeout=30)
 
 
+def communicate_or_dump_stacks(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """``proc.communicate(timeout)``; when the run has not ended by then, fail with the Python stacks of all its
+    threads (the CLI dumps them on SIGUSR1), so a hang names the wait it is in."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(3)
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+        raise AssertionError(
+            f"the run did not end within {timeout:.0f}s; its stacks:\n{err[-12000:]}"
+        ) from None
+
+
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("asyncgrpo: error:")]
 
@@ -167,7 +182,7 @@ def test_ctrl_c_stops_within_seconds_and_a_busy_run_dir_is_refused(tmp_path):
         time.sleep(0.7)  # saves come every step: the interrupt may well land in one
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
-        _, err = proc.communicate(timeout=60)
+        _, err = communicate_or_dump_stacks(proc, 60)
         took = time.monotonic() - t0
     finally:
         stop_group(proc)
@@ -194,9 +209,11 @@ def test_a_dead_embedded_server_fails_the_run_at_once(tmp_path):
         wait_for(lambda: (run / "metrics.jsonl").is_file() or proc.poll() is not None, 180, "a first step")
         assert proc.poll() is None, proc.communicate(timeout=30)[1][-3000:]
         (server,) = [p for p, cmd in children(proc.pid).items() if "asyncgrpo_cli.embedded" in cmd]
+        os.kill(proc.pid, signal.SIGUSR1)  # a stack dump of every thread; the run goes on
+        time.sleep(1)
         os.kill(server, signal.SIGKILL)
         t0 = time.monotonic()
-        _, err = proc.communicate(timeout=60)
+        _, err = communicate_or_dump_stacks(proc, 60)
         took = time.monotonic() - t0
     finally:
         stop_group(proc)
@@ -206,6 +223,7 @@ def test_a_dead_embedded_server_fails_the_run_at_once(tmp_path):
     assert f"the embedded server (pid {server}) exited with status -9 (killed by SIGKILL)" in line
     assert f"log: {run / 'embedded_server.log'}" in line
     assert "Traceback" not in err, err[-3000:]
+    assert "Current thread 0x" in err and "asyncgrpo_cli/train/" in err, err[-3000:]  # the SIGUSR1 dump
     assert "ServerExitedError" in (run / "error.log").read_text()
 
 

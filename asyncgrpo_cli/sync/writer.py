@@ -24,6 +24,8 @@ INDEX_NAME = "model.safetensors.index.json"
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 _DONE = object()
 PUT_TIMEOUT_S = 600.0
+ABORT_JOIN_S = 5.0
+"""How long an interrupted write (Ctrl-C, an error in the gather) waits for the writer thread to notice."""
 
 
 def _shard_key(name: str) -> str:
@@ -44,6 +46,8 @@ class _ShardWriter(threading.Thread):
         self.error: BaseException | None = None
         self.weight_map: dict[str, str] = {}
         self.total_size = 0
+        self.aborted = threading.Event()
+        """Set when the producer stops early: no more items come, so the writer ends without writing more."""
 
     def run(self) -> None:
         from safetensors.torch import save_file
@@ -52,8 +56,11 @@ class _ShardWriter(threading.Thread):
         key: str | None = None
         index = 0
         try:
-            while True:
-                item = self.items.get()
+            while not self.aborted.is_set():
+                try:
+                    item = self.items.get(timeout=0.2)
+                except queue.Empty:
+                    continue
                 name, tensor = (None, None) if item is _DONE else item
                 new_key = None if item is _DONE else _shard_key(name)
                 if current and (item is _DONE or new_key != key):
@@ -82,12 +89,18 @@ def write_full_state(model: Any, info: DistInfo, out_dir: Path) -> None:
     items: queue.Queue = queue.Queue(maxsize=2)
     writer = _ShardWriter(out_dir, items)
     writer.start()
+    done = False
     try:
         for name, tensor in merged_items(model, iter_full_state(model, info, skip)):  # LoRA: merged weights
             _put(items, (checkpoint_name(model, name), tensor), writer)
         _put(items, _DONE, writer)
+        done = True
     finally:
-        writer.join(PUT_TIMEOUT_S)
+        if (
+            not done
+        ):  # interrupted (Ctrl-C, a failed gather): the writer must not wait for items that never come
+            writer.aborted.set()
+        writer.join(PUT_TIMEOUT_S if done else ABORT_JOIN_S)
     if writer.error is not None:
         raise RuntimeError(f"writing weights to {out_dir} failed: {writer.error}") from writer.error
     if writer.is_alive():

@@ -251,7 +251,7 @@ def timed_steps(
     config, planned = t.model.config, cfg.grad_accum * cfg.token_budget
     fb_s, opt_s, flops = [], [], 0.0
     timed_end = cfg.warmup + cfg.steps
-    for step in range(timed_end + (cfg.profile if profiler is not None else 0)):
+    for step in range(timed_end + cfg.profile):  # the profiled steps: ``profiler`` is set iff cfg.profile
         if profiler is not None:
             profiler.before(step + 1)
         per_rank = None
@@ -351,9 +351,7 @@ def bench_shape(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, roo
         "world_size": info.world_size,
         "attn_implementation": attn,
         "flex_options": cfg.flex_options if attn in FLEX_IMPLS else "default",
-        "profile_summary": profiler.written[1].read_text()
-        if profiler is not None and profiler.written
-        else None,
+        "profile_summary": profiler.summaries[0] if profiler is not None and profiler.summaries else None,
         "tokens_per_step": tokens,
         "step_s": mean_step,
         "step_s_min": float(np.min(step_s)),

@@ -33,7 +33,7 @@ KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm")),
     ("optimizer", ("adam", "multi_tensor_apply", "foreach")),
     ("communication", ("nccl", "c10d", "all_gather", "reduce_scatter", "all_reduce", "broadcast")),
-    ("copies", ("memcpy", "memset", "copy", "chunk_cat", "aten::cat", "aten::to")),
+    ("copies", ("memcpy", "memset", "copy", "chunk_cat", "aten::cat")),
     ("fused element-wise (Inductor)", ("triton_",)),
 )
 """Kernel kind -> substrings of the (lower-cased) kernel or operator name; the first kind that matches wins."""
@@ -62,7 +62,7 @@ def summary(
     what = "kernel" if device.startswith("cuda") else "operator self"
     lines = [
         f"steps {steps[0]}-{steps[1]} on {device}: wall {wall_s / n * 1e3:.1f} ms per step, {what} time "
-        f"{ms(total):.1f} ms per step ({100 * total / n / 1e6 / max(wall_s / n, 1e-9):.0f}% of wall)",
+        f"{ms(total):.1f} ms per step ({100 * total / 1e6 / max(wall_s, 1e-9):.0f}% of wall)",
         "",
         "| kind | ms per step | share |",
         "|---|---|---|",
@@ -100,6 +100,8 @@ class StepProfiler:
         self._prof: Any = None
         self._first, self._last, self._t0 = 0, 0, 0.0
         self.written: list[Path] = []
+        self.summaries: list[str] = []
+        """The text summary of each recording written, in order."""
 
     def before(self, step: int) -> None:
         """``step`` (counted from 1) is about to run: start recording when it is the first of a run of steps."""
@@ -149,4 +151,5 @@ class StepProfiler:
             logger.warning("trainer.profile: could not write the profile of steps %s-%s: %s", *steps, e)
             return
         self.written += [trace, self.out_dir / f"{stem}.txt"]
+        self.summaries.append(text)
         logger.info("trainer.profile: %s (%s)", trace, text.splitlines()[0])

@@ -20,6 +20,7 @@ from asyncgrpo_cli.errors import ConfigError
 from asyncgrpo_cli.metrics.reducer import MetricWindow
 from asyncgrpo_cli.model.loading import load_policy
 from asyncgrpo_cli.train.compile import (
+    CompileCost,
     _dynamic_rows,
     compile_enabled,
     compile_meter,
@@ -142,14 +143,36 @@ def test_compile_meter_measures_compiles_and_survives_dynamo_reset():
     meter.take()
     f = torch.compile(lambda x: x * 2 + 1, backend="eager")
     f(torch.ones(3))
-    seconds, count = meter.take()
-    assert count == 1 and seconds > 0
+    seconds, count, breaks = meter.take()
+    assert count == 1 and seconds > 0 and breaks == ()
     f(torch.ones(3))  # cached: nothing compiles
-    assert meter.take() == (0.0, 0)
+    assert meter.take() == (0.0, 0, ())
+
+
+def test_compile_meter_reports_each_new_graph_break_once_and_not_a_disabled_function():
+    meter = compile_meter()
+    torch._dynamo.reset()
+    meter.take()
+    skipped = torch.compiler.disable(lambda x: x + 1)
+
+    def broken(x):
+        x = x * 2
+        torch._dynamo.graph_break()
+        return skipped(x) * 3
+
+    f = torch.compile(broken, backend="eager")
+    f(torch.ones(3))
+    _, count, breaks = meter.take()
+    assert count >= 1 and len(breaks) == 1 and "graph_break" in breaks[0], breaks
+    torch._dynamo.reset()
+    f(torch.ones(3))  # compiles again, breaks for the same reasons: nothing new to report
+    assert meter.take().graph_breaks == ()
 
 
 def test_a_step_that_compiled_is_logged_and_every_step_records_its_compile_time(caplog):
-    costs = iter([(12.5, 3), (0.0, 0)])
+    costs = iter(
+        [CompileCost(12.5, 3), CompileCost(0.0, 0), CompileCost(0.0, 0, ("HOP: Unsafe side effect",))]
+    )
     trainer = SimpleNamespace(
         window=MetricWindow(),
         _compile_meter=SimpleNamespace(take=lambda: next(costs)),
@@ -160,9 +183,14 @@ def test_a_step_that_compiled_is_logged_and_every_step_records_its_compile_time(
         Trainer._record_compile(trainer, 14.0)
         trainer.p.state.step = 2
         Trainer._record_compile(trainer, 0.5)
+        trainer.p.state.step = 3
+        Trainer._record_compile(trainer, 0.5)
     assert [r.getMessage() for r in caplog.records] == [
-        "trainer.compile=auto: step 1 took 14.0 s, 12.5 s of it compiling (3 compile(s))"
+        "trainer.compile=auto: step 1 took 14.0 s, 12.5 s of it compiling (3 compile(s))",
+        "trainer.compile: step 3: torch.compile broke a graph (HOP: Unsafe side effect); the code around the "
+        "break runs eagerly. Run with TORCH_LOGS=graph_breaks to see where.",
     ]
+    assert caplog.records[1].levelno == logging.WARNING
     reduced = trainer.window.reduce()
     # summed per window
     assert reduced["perf/compile_total_s"] == 12.5 and reduced["perf/compiles_total"] == 3
@@ -183,6 +211,9 @@ def test_the_compiled_step_path_compiles_once_for_rows_of_every_length_and_train
     seconds, count = compiled.compiles[0]
     assert count > 0 and 0 < seconds <= compiled.step_s[0]
     assert compiled.compiles[1:] == [(0.0, 0)] * (len(compiled.lengths) - 1)
+    # whole layers compiled: with the kernels package installed (transformers >= 5.25 requires it) the attention
+    # modules' kernel-routing side effect broke every checkpointed layer's graph, and all of it ran eagerly
+    assert compiled.graph_breaks == []
     assert compiled.losses == pytest.approx(eager.losses, rel=1e-4, abs=1e-5)
     assert compiled.grad_norms == pytest.approx(eager.grad_norms, rel=1e-4)
     assert all(loss != 0 for loss in eager.losses) and all(g > 0 for g in eager.grad_norms)

@@ -24,8 +24,10 @@ def load_model(
     """Load a causal LM for serving on ``device`` (SDPA attention, eval mode, no grad)."""
     from transformers import AutoModelForCausalLM
 
+    from asyncgrpo_cli.model.loading import NO_HUB_KERNELS
+
     model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=resolve_dtype(dtype), attn_implementation="sdpa"
+        str(model_dir), dtype=resolve_dtype(dtype), attn_implementation="sdpa", **NO_HUB_KERNELS
     ).to(device)
     model.eval()
     model.requires_grad_(False)

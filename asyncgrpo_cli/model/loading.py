@@ -12,6 +12,12 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
+NO_HUB_KERNELS = {"use_kernels": False}
+"""``from_pretrained`` keywords of every model this project loads (the trained policy, the embedded server's).
+transformers 5.25 turned ``use_kernels`` on by default: on CUDA it swaps RMSNorm, RoPE and other layers for
+kernels fetched from the Hugging Face Hub at load time, which fails offline and changes the numerics the exactness
+tests and ``trainer.compile``'s fused layers are measured against. Earlier releases default to ``False``."""
+
 
 def torch_dtype(name: str) -> Any:
     import torch
@@ -87,6 +93,7 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
         trust_remote_code=cfg.trust_remote_code,
         dtype=torch_dtype(cfg.dtype),
         attn_implementation=attn,
+        **NO_HUB_KERNELS,
     )
     logger.info("model.attn_implementation=%s: attention runs as %s", cfg.attn_implementation, attn)
     if cfg.flex_kernel_options and attn != FLEX_IMPL:

@@ -16,7 +16,10 @@
 - **What it cost** (:class:`CompileMeter`): dynamo calls its compile callbacks around every graph it compiles,
   forward frames and the backward graphs it compiles lazily at the first backward; the meter adds up the wall time
   between them and counts them. The trainer logs a step that compiled and records ``perf/compile_total_s`` and
-  ``perf/compiles_total`` for every step (0 once warm: a non-zero value later is a recompile).
+  ``perf/compiles_total`` for every step (0 once warm: a non-zero value later is a recompile). It also reports
+  each new reason dynamo broke a graph for (its ``graph_break`` counter), which the trainer logs as a warning: a
+  break leaves the code around it eager, so a run compiles less than it says without it (the ``kernels`` side
+  effect below was such a case). Breaks at ``torch.compiler.disable`` d functions are meant and not reported.
 
 Imports torch only inside the functions that need it (``asyncgrpo check`` imports this module for the plan).
 """
@@ -27,7 +30,7 @@ import functools
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from asyncgrpo_cli.config.compile import compile_enabled, compile_plan  # noqa: F401 (re-exported)
 
@@ -81,9 +84,26 @@ def _dynamic_rows(compiled: Any, eager: Any) -> Any:
         if not torch.is_grad_enabled():
             return eager(*args, **kwargs)
         mark_row_length_dynamic(args, kwargs)
-        return compiled(*args, **kwargs)
+        with _tracing_config():
+            return compiled(*args, **kwargs)
 
     return forward
+
+
+def _tracing_config() -> Any:
+    """Dynamo settings the layers compile under. With the ``kernels`` package installed (transformers 5.25
+    requires it), its ``use_kernelized_func`` wraps every attention module's forward in a set / reset of a
+    module-level variable. Inside a gradient-checkpointed layer dynamo refuses that side effect (it could not be
+    replayed when the backward recomputes the layer), breaks the graph, and the whole layer runs eagerly: nothing
+    compiles. The set / reset pair leaves nothing behind, so the recomputation need not replay it: dynamo's
+    ``skip_fwd_side_effects_in_bwd_under_checkpoint`` says so, for these calls only."""
+    import contextlib
+
+    import torch._dynamo.config as dynamo
+
+    if not hasattr(dynamo, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        return contextlib.nullcontext()
+    return dynamo.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
 def mark_row_length_dynamic(args: tuple, kwargs: dict[str, Any]) -> None:
@@ -106,8 +126,22 @@ def mark_row_length_dynamic(args: tuple, kwargs: dict[str, Any]) -> None:
                         maybe_mark_dynamic(t, d % t.dim())
 
 
+class CompileCost(NamedTuple):
+    """What compiled in one interval of :class:`CompileMeter`."""
+
+    seconds: float
+    count: int
+    graph_breaks: tuple[str, ...] = ()
+    """Reasons dynamo broke a graph for that it had not given before in this process (first line of each)."""
+
+
+_MEANT_BREAK = "torch.compiler.disable()"
+"""A break at a function wrapped in ``torch.compiler.disable`` (``model/gdn/layer.py``) is intended."""
+
+
 class CompileMeter:
-    """Wall time spent compiling in this process, and how many compiles, since the last :meth:`take`.
+    """Wall time spent compiling in this process, how many compiles, and new graph-break reasons, since the last
+    :meth:`take`.
 
     Fed by dynamo's compile start / end callbacks, which fire around each frame compile and each lazy backward
     compile (nested compiles report once, at the outermost). ``torch._dynamo.reset()`` clears the callbacks, so
@@ -119,6 +153,7 @@ class CompileMeter:
         self._seconds = 0.0
         self._count = 0
         self._started: float | None = None
+        self._breaks_seen: set[str] = set()
         self._install()
 
     def _install(self) -> None:
@@ -140,11 +175,20 @@ class CompileMeter:
             self._count += 1
         self._started = None
 
-    def take(self) -> tuple[float, int]:
-        """(seconds, compiles) since the previous call; starts the next interval."""
+    def take(self) -> CompileCost:
+        """What compiled since the previous call; starts the next interval."""
+        from torch._dynamo.utils import counters
+
         self._install()
+        new = [r for r in counters["graph_break"] if r not in self._breaks_seen]
+        self._breaks_seen.update(new)
+        breaks = tuple(
+            line
+            for line in (r.strip().splitlines()[0] if r.strip() else r for r in new)
+            if _MEANT_BREAK not in line
+        )
         with self._lock:
-            out = (self._seconds, self._count)
+            out = CompileCost(self._seconds, self._count, breaks)
             self._seconds, self._count = 0.0, 0
         return out
 

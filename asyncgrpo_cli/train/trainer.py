@@ -294,9 +294,16 @@ class Trainer:
     # ------------------------------------------------------------------ metrics (rank 0)
     def _record_compile(self, step_s: float) -> None:
         """What torch.compile spent in this step (``train/compile.py``): 0 once warm; a step that compiled is logged."""
-        seconds, count = self._compile_meter.take()
+        seconds, count, breaks = self._compile_meter.take()
         self.window.add("perf/compile_total_s", seconds)
         self.window.add("perf/compiles_total", count)
+        for reason in breaks:
+            logger.warning(
+                "trainer.compile: step %d: torch.compile broke a graph (%s); the code around the break runs "
+                "eagerly. Run with TORCH_LOGS=graph_breaks to see where.",
+                self.p.state.step,
+                reason,
+            )
         if count:
             logger.info(
                 "trainer.compile=%s: step %d took %.1f s, %.1f s of it compiling (%d compile(s))",

@@ -32,11 +32,15 @@ def test_the_compiled_training_path_stops_compiling_after_two_row_lengths(model,
     print(
         f"{model} packing={packing} lora={lora}: lengths {steps.lengths}, graphs {steps.graphs}, compile s "
         f"{[round(s, 2) for s, _ in steps.compiles]}, compiles {[n for _, n in steps.compiles]}, step s "
-        f"{[round(s, 2) for s in steps.step_s]}"
+        f"{[round(s, 2) for s in steps.step_s]}, graph breaks {steps.graph_breaks}"
     )
     n = len(steps.lengths)
     assert len(set(steps.lengths)) == n, steps.lengths
     assert steps.graphs[0] > 0  # auto compiled on CUDA
+    if (
+        model == "builtin:tiny-qwen3"
+    ):  # whole layers compile (the hybrid's packed DeltaNet forward runs eagerly)
+        assert steps.graph_breaks == []
     assert steps.graphs[2:] == [steps.graphs[1]] * (n - 2), steps.graphs
     seconds, count = steps.compiles[0]
     assert count > 0 and 0 < seconds <= steps.step_s[0]

@@ -39,6 +39,8 @@ class Steps:
     ``torch._dynamo.reset()`` does not clear, minus its value before the first step)."""
     compiles: list[tuple[float, int]] = field(default_factory=list)
     """The :class:`CompileMeter`'s (seconds, compiles) of each step."""
+    graph_breaks: list[str] = field(default_factory=list)
+    """The graph-break reasons the meter reported over the steps (the trainer warns of each)."""
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
@@ -90,7 +92,9 @@ def run_steps(
             out.step_s.append(time.perf_counter() - t0)
             out.lengths.append(res.forwarded)
             out.graphs.append(counters["stats"]["unique_graphs"] - start)
-            out.compiles.append(meter.take())
+            cost = meter.take()
+            out.compiles.append((cost.seconds, cost.count))
+            out.graph_breaks.extend(cost.graph_breaks)
             out.losses.append(res.loss)
     finally:
         destroy_distributed()  # shard_model's one-rank group, when it made one

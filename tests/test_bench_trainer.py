@@ -116,6 +116,17 @@ def test_flex_options_merge_a_forward_and_a_backward_candidate():
     assert merged["fwd_BLOCK_M"] == 64 and merged["bwd_num_warps"] == 4 and merged_options("default") == {}
 
 
+def test_flex_options_torch_turns_the_tuned_options_off():
+    from asyncgrpo_cli.bench.attention import KERNEL_OPTIONS, use_candidates
+    from asyncgrpo_cli.config.schema import ModelConfig
+
+    cfg = ModelConfig()
+    use_candidates(cfg, "torch")
+    assert cfg.flex_kernel_options == {} and cfg.flex_tuned_options is False
+    use_candidates(cfg, "bwd_64_w4")
+    assert cfg.flex_kernel_options == KERNEL_OPTIONS["bwd_64_w4"] and cfg.flex_tuned_options is True
+
+
 def test_a_baseline_of_other_work_is_flagged(tmp_path):
     path = tmp_path / "b.json"
     path.write_text(json.dumps({"config": {"token_budget": 8192}, "results": [{"shape": "0.6b"}]}))

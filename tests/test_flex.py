@@ -207,6 +207,36 @@ def test_kernel_options_are_checked_against_torch_and_reach_every_flex_call(qwen
     assert flex._KERNEL_OPTIONS == {}
 
 
+def test_tuned_options_reach_16_bit_heads_of_their_size_on_their_gpu_unless_options_are_given(monkeypatch):
+    from asyncgrpo_cli.model import flex
+
+    tuned = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 4}
+    assert flex.tuned_options((9, 0), 128) == tuned
+    assert flex.tuned_options((8, 0), 128) == {} and flex.tuned_options((9, 0), 64) == {}
+    assert flex.tuned_options(None, 128) == {}
+
+    def q(dtype, head_dim):
+        return torch.empty(1, 2, 4, head_dim, dtype=dtype)
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    try:
+        flex.set_kernel_options({}, tuned_for=torch.device("cuda", 0))
+        assert flex.call_options(q(torch.bfloat16, 128)) == tuned
+        assert flex.call_options(q(torch.float16, 128)) == tuned
+        assert flex.call_options(q(torch.float32, 128)) is None  # measured for 16-bit tiles only
+        assert flex.call_options(q(torch.bfloat16, 64)) is None
+        assert "tuned for this GPU and head dim 128" in flex.describe_options(128)
+        assert flex.describe_options(64) == "torch's table for the GPU"
+        flex.set_kernel_options({"bwd_num_warps": 4}, tuned_for=torch.device("cuda", 0))  # given: only those
+        assert flex.call_options(q(torch.bfloat16, 128)) == {"bwd_num_warps": 4}
+        flex.set_kernel_options({}, tuned_for=None)  # model.flex_tuned_options=false
+        assert flex.call_options(q(torch.bfloat16, 128)) is None
+        flex.set_kernel_options({}, tuned_for=torch.device("cpu"))
+        assert flex.call_options(q(torch.bfloat16, 128)) is None
+    finally:
+        flex.set_kernel_options({})
+
+
 def test_config_checks_flex_kernel_options():
     pytest.importorskip("hydra")  # absent on the GPU hosts
     from asyncgrpo_cli.config.compose import compose_config

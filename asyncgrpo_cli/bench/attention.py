@@ -6,8 +6,8 @@ filling exactly ``token_budget`` forwarded tokens), packed by ``packing`` (tree:
 ``BlockMask`` built as a training step builds it (``model/flex.py``: padded to the compiled length). Random q / k
 / v in bf16 with the shape's heads ([1, Hq, T, D] and [1, Hkv, T, D], GQA) and a random output gradient.
 
-Each candidate of ``options`` (:data:`KERNEL_OPTIONS`; ``default`` is torch's own choice for the GPU, what a run
-uses today) is compiled on its own (``torch.compile(flex_attention, dynamic=False)`` after a dynamo reset, so no
+Each candidate of ``options`` (:data:`KERNEL_OPTIONS`; ``default`` is what a run uses: ``model/flex.py``'s tuned
+options for the GPU and head dim where it has them, else torch's own table, which is ``torch``) is compiled on its own (``torch.compile(flex_attention, dynamic=False)`` after a dynamo reset, so no
 recompile limit is reached) and timed: median forward and forward+backward milliseconds over ``repeats`` after
 ``warmup`` calls, the first call's seconds (compilation), and the largest |difference| of its output and q
 gradient from ``default``'s (the kernels differ only in their reduction order); speedups are ``default``'s time
@@ -38,7 +38,8 @@ from typing import Any
 from asyncgrpo_cli.errors import UserError
 
 KERNEL_OPTIONS: dict[str, dict[str, Any]] = {
-    "default": {},
+    "default": {},  # what a run uses: model/flex.py's tuned options for the GPU and head dim, else torch's table
+    "torch": {},  # torch's own table (model.flex_tuned_options=false)
     "fwd_128x128_s2": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_stages": 2, "fwd_num_warps": 8},
     "fwd_128x64_s4": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 4, "fwd_num_warps": 8},
     "fwd_64x64_w4": {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 4},
@@ -70,9 +71,28 @@ bf16 and head dim 128 on Hopper torch picks BLOCK_M/N 128/64, 3 stages, 8 warps 
 stages, 8 warps backward; the candidates move one of those at a time."""
 
 
+def candidate_options(name: str, q: Any) -> dict[str, Any] | None:
+    """The ``kernel_options`` candidate ``name`` passes for q [B, H, L, D] (``None``: torch's table)."""
+    import torch
+
+    from asyncgrpo_cli.model.flex import tuned_options
+
+    if name == "default":
+        capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+        return tuned_options(capability, q.shape[-1]) or None
+    return KERNEL_OPTIONS.get(name) or None
+
+
 def merged_options(names: str) -> dict[str, Any]:
     """The kernel options of ``KERNEL_OPTIONS`` names joined by ``+`` (later names win a shared key)."""
     return {k: v for name in names.split("+") for k, v in KERNEL_OPTIONS[name].items()}
+
+
+def use_candidates(model_cfg: Any, names: str) -> None:
+    """Set a ``ModelConfig``'s flex options to the candidates ``names`` (``bench trainer flex_options=``):
+    ``torch`` among them turns ``model.flex_tuned_options`` off."""
+    model_cfg.flex_kernel_options = merged_options(names)
+    model_cfg.flex_tuned_options = "torch" not in names.split("+")
 
 
 @dataclass
@@ -203,7 +223,7 @@ def measure(
         attend = torch.compile(flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs")
     else:
         attend = torch.compile(flex_attention, dynamic=False)
-    options = KERNEL_OPTIONS.get(name) or None
+    options = candidate_options(name, q)
 
     def forward() -> Any:
         return attend(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=options)

@@ -83,7 +83,8 @@ class TrainerBenchConfig:
     """model.lm_head_kernel: auto (the fused Triton head on CUDA when Triton imports), torch (chunked), triton."""
     flex_options: str = "default"
     """model.flex_kernel_options: candidates of ``bench attention`` (``bench/attention.py`` KERNEL_OPTIONS), joined
-    by ``+`` to merge them (e.g. a forward and a backward candidate: ``fwd_128x64_s4+bwd_64_w4``)."""
+    by ``+`` to merge them (e.g. a forward and a backward candidate: ``fwd_128x64_s4+bwd_64_w4``); ``default``: a
+    run's (tuned for the GPU where measured), ``torch``: torch's own table (model.flex_tuned_options=false)."""
     loss: str = "score_centering"
     prompt_len: int = 512
     completion_len: int = 4096
@@ -200,9 +201,9 @@ def build_trainer(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, r
     if cfg.attn is not None:
         model_cfg.attn_implementation = cfg.attn
     if cfg.flex_options != "default":
-        from asyncgrpo_cli.bench.attention import merged_options
+        from asyncgrpo_cli.bench.attention import use_candidates
 
-        model_cfg.flex_kernel_options = merged_options(cfg.flex_options)
+        use_candidates(model_cfg, cfg.flex_options)
     tcfg = TrainerConfig(
         mixed_precision=mixed, compile=cfg.compile, reshard_after_forward=cfg.reshard_after_forward
     )

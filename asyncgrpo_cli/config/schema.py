@@ -94,9 +94,15 @@ class ModelConfig:
     )
     flex_kernel_options: dict[str, Any] = F(
         help="Triton kernel options of flex attention (torch's FlexKernelOptions; fwd_ / bwd_ prefixes reach one "
-        "pass), e.g. '+model.flex_kernel_options={fwd_BLOCK_M:64,fwd_BLOCK_N:64,fwd_num_warps:4}'. Empty: torch's "
-        "own choice for the GPU. `asyncgrpo bench attention` measures candidates on packed rows.",
+        "pass), e.g. '+model.flex_kernel_options={fwd_BLOCK_M:64,fwd_BLOCK_N:64,fwd_num_warps:4}'. Empty: see "
+        "model.flex_tuned_options. `asyncgrpo bench attention` measures candidates on packed rows.",
         factory=dict,
+    )
+    flex_tuned_options: bool = F(
+        True,
+        "With model.flex_kernel_options empty: flex attention uses the tiles measured fastest for the GPU and head "
+        "size (model/flex.py TUNED_OPTIONS; sm90 (H100 / H200), head dim 128, 16-bit: forward 64x64, 3 stages, 4 "
+        "warps), elsewhere torch's own table; false: torch's table everywhere.",
     )
     linear_attention_kernel: LinearAttentionKernel = F(
         "auto",

@@ -20,8 +20,10 @@ list, so the kernel skips them.
 
 Kernel options (``model.flex_kernel_options``): torch's ``FlexKernelOptions`` (block sizes, stages, warps, TMA;
 ``fwd_`` / ``bwd_`` prefixes reach one pass), set once per process by the loader (:func:`set_kernel_options`,
-checked against torch's names) and passed to every ``flex_attention`` call, compiled layers included. Empty:
-torch's own table for the GPU. ``asyncgrpo bench attention`` measures candidates on packed rows' masks.
+checked against torch's names) and passed to every ``flex_attention`` call, compiled layers included. Empty
+(the default): the tiles this project measured fastest for the GPU and head size (:data:`TUNED_OPTIONS`, with
+``model.flex_tuned_options=true``, 16-bit q / k / v only), else torch's own table for the GPU. ``asyncgrpo bench
+attention`` measures candidates on packed rows' masks; ``bench trainer flex_options=`` whole steps with them.
 
 This module imports neither torch nor transformers at import time (``asyncgrpo check`` validates the choice).
 """
@@ -39,16 +41,33 @@ FLEX_IMPLS = (FLEX_IMPL, "flex_attention")
 """Keys whose attention takes a ``BlockMask`` (transformers' own flex forward too; it gets unpadded masks)."""
 
 
+TUNED_OPTIONS: dict[tuple[int, int], dict[int, dict[str, Any]]] = {
+    (9, 0): {128: {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 4}},
+}
+"""CUDA capability -> head dim -> kernel options measured faster than torch's table on packed tree rows (bf16).
+sm90, head dim 128: Inductor's max-autotune picked these forward tiles at 16k and 64k tokens (torch's: 128x64,
+8 warps), and whole ``bench trainer`` steps ran faster with them in both orders of an A-B-B-A run on an H200
+(docs/benchmarks.md, 2026-12-03); the backward keeps torch's tiles, which every candidate lost to."""
+
 _KERNEL_OPTIONS: dict[str, Any] = {}
 """``model.flex_kernel_options`` of this process's policy (:func:`set_kernel_options`)."""
+_TUNED: dict[int, dict[str, Any]] = {}
+"""Head dim -> :data:`TUNED_OPTIONS` of this process's GPU, used while ``_KERNEL_OPTIONS`` is empty."""
 
 
-def set_kernel_options(options: dict[str, Any]) -> None:
-    """Pass ``options`` to every later flex attention call of this process (the policy's loader sets them).
+def tuned_options(capability: tuple[int, int] | None, head_dim: int) -> dict[str, Any]:
+    """The measured options for a GPU of ``capability`` and heads of ``head_dim`` (16-bit), or {} (torch's)."""
+    return dict(TUNED_OPTIONS.get(tuple(capability) if capability else None, {}).get(head_dim, {}))
+
+
+def set_kernel_options(options: dict[str, Any], tuned_for: Any = None) -> None:
+    """Pass ``options`` to every later flex attention call of this process (the policy's loader sets them); with
+    ``options`` empty and ``tuned_for`` a CUDA device, calls of 16-bit heads get that GPU's :data:`TUNED_OPTIONS`.
 
     Raises ValueError naming ``model.flex_kernel_options`` for a name torch's ``FlexKernelOptions`` lacks
     (with or without its ``fwd_`` / ``bwd_`` prefix).
     """
+    import torch
     from torch.nn.attention.flex_attention import FlexKernelOptions
 
     known = FlexKernelOptions.__optional_keys__ | FlexKernelOptions.__required_keys__
@@ -60,6 +79,29 @@ def set_kernel_options(options: dict[str, Any]) -> None:
         )
     _KERNEL_OPTIONS.clear()
     _KERNEL_OPTIONS.update(options)
+    _TUNED.clear()
+    if not options and tuned_for is not None and torch.device(tuned_for).type == "cuda":
+        _TUNED.update(TUNED_OPTIONS.get(torch.cuda.get_device_capability(tuned_for), {}))
+
+
+def describe_options(head_dim: int) -> str:
+    """Which kernel options flex calls of 16-bit heads of ``head_dim`` get (for the loader's log)."""
+    if _KERNEL_OPTIONS:
+        return f"model.flex_kernel_options {_KERNEL_OPTIONS}"
+    if head_dim in _TUNED:
+        return f"tuned for this GPU and head dim {head_dim} {_TUNED[head_dim]} (model.flex_tuned_options)"
+    return "torch's table for the GPU"
+
+
+def call_options(query: Any) -> dict[str, Any] | None:
+    """The ``kernel_options`` of a flex call on ``query`` [B, H, L, D] (``None``: torch's table)."""
+    import torch
+
+    if _KERNEL_OPTIONS:
+        return dict(_KERNEL_OPTIONS)
+    if query.dtype in (torch.bfloat16, torch.float16) and query.shape[-1] in _TUNED:
+        return dict(_TUNED[query.shape[-1]])
+    return None
 
 
 def resolve_attn_implementation(name: str, device: Any) -> str:
@@ -193,6 +235,6 @@ def flex_attention_forward(
         block_mask=attention_mask,
         scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
-        kernel_options=dict(_KERNEL_OPTIONS) or None,
+        kernel_options=call_options(query),
     )
     return out[:, :, :n].transpose(1, 2).contiguous(), None

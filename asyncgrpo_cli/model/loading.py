@@ -67,7 +67,12 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from asyncgrpo_cli.model.flex import FLEX_IMPL, resolve_attn_implementation, set_kernel_options
+    from asyncgrpo_cli.model.flex import (
+        FLEX_IMPL,
+        describe_options,
+        resolve_attn_implementation,
+        set_kernel_options,
+    )
     from asyncgrpo_cli.model.gdn.layer import resolve_kernel
 
     try:
@@ -84,7 +89,9 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
         attn = resolve_attn_implementation(cfg.attn_implementation, torch.device(device))
         kernel = resolve_kernel(cfg.linear_attention_kernel, torch.device(device)) if linear else None
         if attn == FLEX_IMPL:
-            set_kernel_options(cfg.flex_kernel_options)
+            set_kernel_options(
+                cfg.flex_kernel_options, torch.device(device) if cfg.flex_tuned_options else None
+            )
     except ValueError as e:
         raise UserError(str(e)) from e
     model = AutoModelForCausalLM.from_pretrained(
@@ -96,6 +103,10 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
         **NO_HUB_KERNELS,
     )
     logger.info("model.attn_implementation=%s: attention runs as %s", cfg.attn_implementation, attn)
+    if attn == FLEX_IMPL:
+        text = model.config.get_text_config(decoder=True)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        logger.info("flex attention kernel options (16-bit): %s", describe_options(head_dim))
     if cfg.flex_kernel_options and attn != FLEX_IMPL:
         logger.warning(
             "model.flex_kernel_options are not used: attention runs as %s, not flex attention", attn

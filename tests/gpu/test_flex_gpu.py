@@ -50,12 +50,12 @@ def groups(
     return out
 
 
-def tiny_qwen3(dtype: torch.dtype):
+def tiny_qwen3(dtype: torch.dtype, head_dim: int = 64):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = Qwen3Config(
         vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=16384, attn_implementation="sdpa",
+        num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=16384, attn_implementation="sdpa",
     )  # fmt: skip
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg).to(CUDA, dtype)
@@ -121,6 +121,25 @@ def test_flex_with_kernel_options_matches_sdpa(options):
     flex.set_kernel_options(merged_options(options))
     try:
         assert_match(tiny_qwen3(torch.float32), row, torch.float32)
+    finally:
+        flex.set_kernel_options({})
+
+
+def test_the_tuned_options_of_this_gpu_match_sdpa_in_bf16():
+    """model.flex_tuned_options (the default): 16-bit heads of a measured size get model/flex.py's TUNED_OPTIONS
+    for this GPU; the result is SDPA's."""
+    from asyncgrpo_cli.model import flex
+
+    capability = torch.cuda.get_device_capability(CUDA)
+    head_dims = list(flex.TUNED_OPTIONS.get(capability, {}))
+    if not head_dims:
+        pytest.skip(f"no tuned flex options for capability {capability}")
+    row = TreePacker(PackingConfig()).pack(groups(np.random.default_rng(6), 3, 8, 150, 20)).to(CUDA)
+    flex.set_kernel_options({}, tuned_for=CUDA)
+    try:
+        q = torch.empty(1, 4, 8, head_dims[0], dtype=torch.bfloat16, device=CUDA)
+        assert flex.call_options(q) == flex.TUNED_OPTIONS[capability][head_dims[0]]
+        assert_match(tiny_qwen3(torch.bfloat16, head_dims[0]), row, torch.bfloat16)
     finally:
         flex.set_kernel_options({})
 

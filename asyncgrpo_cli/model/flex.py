@@ -46,8 +46,10 @@ TUNED_OPTIONS: dict[tuple[int, int], dict[int, dict[str, Any]]] = {
 }
 """CUDA capability -> head dim -> kernel options measured faster than torch's table on packed tree rows (bf16).
 sm90, head dim 128: Inductor's max-autotune picked these forward tiles at 16k and 64k tokens (torch's: 128x64,
-8 warps), and whole ``bench trainer`` steps ran faster with them in both orders of an A-B-B-A run on an H200
-(docs/benchmarks.md, 2026-12-03); the backward keeps torch's tiles, which every candidate lost to."""
+8 warps); ``bench attention`` on an H200 timed the forward 3.5% (16k) and 8% (64k) faster with the same output
+to the bit (the key tile, which sets the reduction order, is 64 in both). Whole ``bench trainer`` steps gain
+within run-to-run noise (the forward is ~9% of a 0.6B step). The backward keeps torch's tiles, which every
+candidate lost to (docs/benchmarks.md, 2026-12-03)."""
 
 _KERNEL_OPTIONS: dict[str, Any] = {}
 """``model.flex_kernel_options`` of this process's policy (:func:`set_kernel_options`)."""

@@ -7,8 +7,8 @@ filling exactly ``token_budget`` forwarded tokens), packed by ``packing`` (tree:
 / v in bf16 with the shape's heads ([1, Hq, T, D] and [1, Hkv, T, D], GQA) and a random output gradient.
 
 Each candidate of ``options`` (:data:`KERNEL_OPTIONS`; ``default`` is what a run uses: ``model/flex.py``'s tuned
-options for the GPU and head dim where it has them, else torch's own table, which is ``torch``) is compiled on its own (``torch.compile(flex_attention, dynamic=False)`` after a dynamo reset, so no
-recompile limit is reached) and timed: median forward and forward+backward milliseconds over ``repeats`` after
+options for the GPU and head dim where it has them, else torch's own table, which is ``torch``) is compiled on
+its own (``torch.compile(flex_attention, dynamic=False)`` after a dynamo reset, so no recompile limit is reached) and timed: median forward and forward+backward milliseconds over ``repeats`` after
 ``warmup`` calls, the first call's seconds (compilation), and the largest |difference| of its output and q
 gradient from ``default``'s (the kernels differ only in their reduction order); speedups are ``default``'s time
 over the candidate's (above 1: faster). ``autotune=true`` adds a

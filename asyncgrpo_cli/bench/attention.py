@@ -7,14 +7,14 @@ filling exactly ``token_budget`` forwarded tokens), packed by ``packing`` (tree:
 / v in bf16 with the shape's heads ([1, Hq, T, D] and [1, Hkv, T, D], GQA) and a random output gradient.
 
 Each candidate of ``options`` (:data:`KERNEL_OPTIONS`; ``default`` is what a run uses: ``model/flex.py``'s tuned
-options for the GPU and head dim where it has them, else torch's own table, which is ``torch``) is compiled on
-its own (``torch.compile(flex_attention, dynamic=False)`` after a dynamo reset, so no recompile limit is reached) and timed: median forward and forward+backward milliseconds over ``repeats`` after
-``warmup`` calls, the first call's seconds (compilation), and the largest |difference| of its output and q
-gradient from ``default``'s (the kernels differ only in their reduction order); speedups are ``default``'s time
-over the candidate's (above 1: faster). ``autotune=true`` adds a
-``mode=max-autotune-no-cudagraphs`` compile (Inductor benchmarks its own list of configurations; minutes per
-shape). A candidate torch refuses (an option this torch does not know, a block size that does not divide the
-mask's) is reported with its error and the rest go on.
+options for the GPU and head dim where it has them, else torch's own table, which is ``torch``) is compiled on its
+own (``torch.compile(flex_attention, dynamic=False)`` after a dynamo reset, so no recompile limit is reached) and
+timed: median forward and forward+backward milliseconds over ``repeats`` after ``warmup`` calls, the first call's
+seconds (compilation), and the largest |difference| of its output and q gradient from ``default``'s (the kernels
+differ only in their reduction order); speedups are ``default``'s time over the candidate's (above 1: faster).
+``autotune=true`` adds a ``mode=max-autotune-no-cudagraphs`` compile (Inductor benchmarks its own list of
+configurations; minutes per shape). A candidate torch refuses (an option this torch does not know, a block size
+that does not divide the mask's) is reported with its error and the rest go on.
 
 On CPU (``device=cpu``, a smoke test of the rows and masks) only ``default`` runs, eager and forward only: flex
 attention has no CPU backward and the options are Triton's.

@@ -166,6 +166,51 @@ def test_a_prepacked_first_row_and_the_overlap_hook_leave_the_step_unchanged(tin
         torch.testing.assert_close(results[1][1][name], grad, rtol=0, atol=0)
 
 
+def test_the_optimizer_step_queued_behind_the_backward_trains_like_stepping_after_the_read(tiny_model_dir):
+    """``forward_backward(optimizer=...)`` queues clip + AdamW + scheduler behind the last backward, before the
+    ``overlap`` hook and the loss read: two steps give the losses, gradient norms and weights of stepping after
+    ``forward_backward`` returned (``clip_and_step``), bit for bit."""
+    from asyncgrpo_cli.bench.trainer_overhead import synthetic_groups
+    from asyncgrpo_cli.train.step import OptimizerStep
+
+    vocab = _tiny(tiny_model_dir).config.vocab_size
+    samples = synthetic_groups(
+        np.random.default_rng(3), 2, 2, prompt_len=8, completion_len=16, vocab=vocab, num_topk=0
+    )
+    for s in samples:  # a random policy's log-probs: importance ratios near 1, no token masked
+        s.sampler_logprobs[s.train_mask] = -math.log(vocab)
+    rows = [samples[:2], samples[2:]]
+    num_trained = sum(s.num_trained for s in samples)
+    packer, loss_fn = SequencePacker(PackingConfig(kind="sequence")), ClippedLoss(LossConfig())
+    cfg = TrainerConfig(learning_rate=1e-3, max_grad_norm=0.05)  # small: the clip acts
+    runs, events = [], []
+    for queued in (False, True):
+        model = _tiny(tiny_model_dir)
+        optimizer = build_optimizer(model, cfg)
+        scheduler = build_scheduler(optimizer, cfg)
+        optimizer.register_step_post_hook(lambda *_: events.append("step"))
+        step = OptimizerStep(model, optimizer, scheduler, cfg.max_grad_norm) if queued else None
+        losses, norms = [], []
+        for _ in range(2):
+            res = forward_backward(
+                model, rows, num_trained, packer, loss_fn, CPU, 1.0,
+                overlap=lambda: events.append("overlap"), optimizer=step,
+            )  # fmt: skip
+            losses.append(res.loss)
+            if queued:
+                assert res.optimizer_s > 0
+                norms.append(res.grad_norm)
+            else:
+                assert res.grad_norm is None
+                norms.append(clip_and_step(model, optimizer, scheduler, cfg.max_grad_norm))
+        runs.append((losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    assert events == ["overlap", "step"] * 2 + ["step", "overlap"] * 2
+    assert runs[0][0] == runs[1][0] and runs[0][1] == runs[1][1]
+    assert all(n > cfg.max_grad_norm for n in runs[0][1]), runs[0][1]
+    for name, weight in runs[0][2].items():
+        torch.testing.assert_close(runs[1][2][name], weight, rtol=0, atol=0)
+
+
 def test_a_row_with_an_id_outside_the_vocabulary_is_refused_before_its_forward(tiny_model_dir):
     """The LM head's id checks run on each packed row's host copies (no device sync mid-forward): a bad id still
     stops the step with the head's message, before anything reaches the model."""

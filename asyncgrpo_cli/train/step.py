@@ -18,9 +18,12 @@ over the W ranks turns the sum over rows into ``coef`` times the mean aux loss o
 No host sync until the step's loss is read: each packed row's ids are checked on the host (the LM head would
 otherwise read a device-side check back in the middle of the forward), rows go to the device with
 ``non_blocking`` copies (pageable memory is staged by the driver, so nothing waits for queued work), and the CPU
-runs ahead of the GPU, packing the next row while the previous one computes. ``overlap`` runs once the last
-backward is queued, before that read: CPU work of the trainer (planning the next step,
-``StepCollector.prefetch``) that then runs under the GPU's work instead of after it. ``fwd_s`` / ``fwd_bwd_s`` are GPU time on CUDA (events, read after the sync), wall time on CPU.
+runs ahead of the GPU, packing the next row while the previous one computes. Once the last backward is queued,
+``optimizer`` (an :class:`OptimizerStep`: the gradient clip, the optimizer and scheduler steps) is queued behind
+it, so the GPU goes from the backward straight into the optimizer instead of idling while the host reads the loss
+and reduces the metrics first; then ``overlap`` runs, before that read: CPU work of the trainer (planning the next
+step, ``StepCollector.prefetch``) that then runs under the GPU's work instead of after it. ``fwd_s`` /
+``fwd_bwd_s`` / ``optimizer_s`` are GPU time on CUDA (events, read after the sync), wall time on CPU.
 """
 
 from __future__ import annotations
@@ -56,6 +59,34 @@ class StepResult:
     """Σ of the rows' raw router aux losses (MoE with a coefficient; else 0)."""
     aux_rows: int = 0
     """Rows whose aux loss is in ``aux_sum`` (0 without a router aux loss)."""
+    grad_norm: float | None = None
+    """The pre-clip gradient norm of the queued :class:`OptimizerStep` (None without one)."""
+    optimizer_s: float = 0.0
+    """Time of the queued :class:`OptimizerStep` (clip, optimizer and scheduler steps, zeroing the gradients)."""
+
+
+@dataclass
+class OptimizerStep:
+    """The step ``forward_backward`` queues behind the last backward, before its one host read (module docstring):
+    the gradient clip to ``max_grad_norm`` (0: no clipping, the norm still measured), ``optimizer.step()``,
+    ``scheduler.step()`` and ``zero_grad``."""
+
+    model: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    max_grad_norm: float
+
+    def queue(self) -> torch.Tensor:
+        """Clip (FSDP2-aware: DTensor norms reduce over ranks), step, zero; the pre-clip norm, not read back."""
+        params = [q for q in self.model.parameters() if q.requires_grad]
+        limit = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, limit)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
 
 
 def forward_backward(
@@ -71,11 +102,12 @@ def forward_backward(
     head_kernel: str = "auto",
     overlap: Callable[[], None] | None = None,
     first_row: PackedRow | None = None,
+    optimizer: OptimizerStep | None = None,
 ) -> StepResult:
-    """Run every micro-batch row of this rank; gradients accumulate in the parameters. ``router``: add the MoE
-    router aux loss (module docstring); ``head_kernel``: ``model.lm_head_kernel``; ``overlap``: CPU work to run
-    while the GPU finishes (module docstring); ``first_row``: ``rows[0]`` already packed (by the previous step's
-    ``overlap``)."""
+    """Run every micro-batch row of this rank; gradients accumulate in the parameters, and with ``optimizer`` the
+    step is taken (``StepResult.grad_norm``). ``router``: add the MoE router aux loss (module docstring);
+    ``head_kernel``: ``model.lm_head_kernel``; ``overlap``: CPU work to run while the GPU finishes (module
+    docstring); ``first_row``: ``rows[0]`` already packed (by the previous step's ``overlap``)."""
     with_topk = bool(loss_fn.needs)
     out = StepResult()
     model.train()
@@ -104,10 +136,17 @@ def forward_backward(
         out.raw_parts.append(raw)
         out.forwarded += row.num_forwarded
         out.unpacked += row.num_unpacked
+    if optimizer is not None:
+        t_opt = clock.mark()
+        norm = optimizer.queue()
+        opt_span = (t_opt, clock.mark())
     if overlap is not None:
         overlap()
     out.loss = float(loss_sum) / world_size  # the step's one host sync
     out.aux_sum = float(aux_sum)
+    if optimizer is not None:
+        out.grad_norm = float(norm)
+        out.optimizer_s = clock.seconds(*opt_span)
     for t0, t1, t2 in spans:
         out.fwd_s += clock.seconds(t0, t1)
         out.fwd_bwd_s += clock.seconds(t0, t2)
@@ -187,12 +226,5 @@ def _through_root(
 def clip_and_step(
     model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, max_grad_norm: float
 ) -> float:
-    """Clip (FSDP2-aware: DTensor norms reduce over ranks), step, zero; returns the pre-clip gradient norm."""
-    params = [q for q in model.parameters() if q.requires_grad]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(norm)
+    """:class:`OptimizerStep` on its own (after ``forward_backward`` returned); returns the pre-clip norm."""
+    return float(OptimizerStep(model, optimizer, scheduler, max_grad_norm).queue())

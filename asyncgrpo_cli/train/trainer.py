@@ -27,7 +27,7 @@ from asyncgrpo_cli.train.distributed import DistInfo, RankStep, reduce_raw_metri
 from asyncgrpo_cli.train.losses import merge_metric_parts
 from asyncgrpo_cli.train.profiler import StepProfiler
 from asyncgrpo_cli.train.progress import PromptTracker
-from asyncgrpo_cli.train.step import clip_and_step, forward_backward
+from asyncgrpo_cli.train.step import OptimizerStep, forward_backward
 from asyncgrpo_cli.train.step_metrics import StepTimes, record_step
 
 logger = logging.getLogger(__name__)
@@ -166,15 +166,14 @@ class Trainer:
             head_kernel=self.cfg.model.lm_head_kernel,
             overlap=self._prefetch_next if self.info.is_main else None,
             first_row=self._take_prepacked(mine.rows),
+            optimizer=OptimizerStep(p.model, p.optimizer, p.scheduler, self.cfg.trainer.max_grad_norm),
         )
         raw = reduce_raw_metrics(merge_metric_parts(res.raw_parts), self.info)
         records = p.loss_fn.metric_records(raw)
         totals = self._sum_over_ranks(
             [res.loss, res.forwarded, res.unpacked, res.attn_pairs, res.aux_sum, res.aux_rows]
         )
-        t_opt = time.monotonic()
-        grad_norm = clip_and_step(p.model, p.optimizer, p.scheduler, self.cfg.trainer.max_grad_norm)
-        t_opt = time.monotonic() - t_opt
+        grad_norm = res.grad_norm
         p.state.step += 1
         forwarded, unpacked = int(totals[1]), int(totals[2])
         p.state.num_tokens += forwarded
@@ -185,7 +184,10 @@ class Trainer:
         if not self.info.is_main:
             return
         times = StepTimes(
-            step_s=time.monotonic() - t_step, fwd_s=res.fwd_s, fwd_bwd_s=res.fwd_bwd_s, optimizer_s=t_opt
+            step_s=time.monotonic() - t_step,
+            fwd_s=res.fwd_s,
+            fwd_bwd_s=res.fwd_bwd_s,
+            optimizer_s=res.optimizer_s,
         )
         if self._peak is not None:  # MFU where the device's peak at the compute dtype is known
             flops = self._flops(forwarded, step.num_trained, int(totals[3]))

@@ -18,13 +18,14 @@ goes, by kernel kind, printed under the row; ``train/profiler.py``).
 
 Each step is the trainer's own path: rank 0 builds the rows and scatters them (``scatter_step``), every rank packs
 its row (``packing.kind``), runs ``forward_backward`` (decoder with the configured attention, the LM head of
-``lm_head_kernel``, loss), reduces the loss metrics, then ``clip_and_step`` (fused AdamW on CUDA). The model comes from
+``lm_head_kernel``, loss; the clip and fused AdamW step queued behind the last backward, as the trainer queues
+them) and reduces the loss metrics. The model comes from
 ``load_policy`` (a weightless checkpoint: every weight is initialized at random, seeded alike on every rank; for
 hybrids the packed gated-DeltaNet forward with the resolved kernel, printed in the table's last column) and
 FSDP2's ``shard_model``. Rows are filled to exactly ``token_budget`` forwarded tokens with GRPO-like groups
 (``group_size`` completions of one prompt), so every rank does the same work. Timed: packing, forward+backward,
-metric reduction and the optimizer step, between ``torch.cuda.synchronize`` calls; row generation and the
-scatter are not (``asyncgrpo bench trainer-overhead`` measures planning).
+metric reduction and the optimizer step, between two ``torch.cuda.synchronize`` calls (``opt s``: the optimizer's
+GPU time within the step, CUDA events); row generation and the scatter are not (``asyncgrpo bench trainer-overhead`` measures planning).
 
 Precision (``precision``): ``mixed`` (default, what a run uses: model.dtype=float32 master weights,
 trainer.mixed_precision=bfloat16, FSDP2 also on one GPU), ``bf16`` (bf16 weights and AdamW state, no master
@@ -241,16 +242,17 @@ def _sync_time(device: Any) -> float:
 def timed_steps(
     t: _Trainer, cfg: TrainerBenchConfig, info: Any, device: Any, profiler: Any = None
 ) -> tuple[list, list, float]:
-    """Warm-up then timed optimizer steps: (forward+backward seconds, optimizer seconds) per timed step on this
-    rank, and the model FLOPs of the timed steps (rank 0; every rank's rows). With ``profiler`` (a
+    """Warm-up then timed optimizer steps: (step seconds, optimizer seconds) per timed step on this rank, and the
+    model FLOPs of the timed steps (rank 0; every rank's rows). With ``profiler`` (a
     ``train/profiler.StepProfiler`` of the ``cfg.profile`` steps after the timed ones), those steps run too."""
     from asyncgrpo_cli.train.distributed import RankStep, reduce_raw_metrics, scatter_step
     from asyncgrpo_cli.train.losses import merge_metric_parts
-    from asyncgrpo_cli.train.step import clip_and_step, forward_backward
+    from asyncgrpo_cli.train.step import OptimizerStep, forward_backward
 
     rng = np.random.default_rng(cfg.seed)
     config, planned = t.model.config, cfg.grad_accum * cfg.token_budget
-    fb_s, opt_s, flops = [], [], 0.0
+    step_s, opt_s, flops = [], [], 0.0
+    optimizer = OptimizerStep(t.model, t.optimizer, t.scheduler, t.max_grad_norm)
     timed_end = cfg.warmup + cfg.steps
     for step in range(timed_end + cfg.profile):  # the profiled steps: ``profiler`` is set iff cfg.profile
         if profiler is not None:
@@ -284,23 +286,22 @@ def timed_steps(
             1.0,
             info.world_size,
             head_kernel=cfg.lm_head_kernel,
+            optimizer=optimizer,
         )
         reduce_raw_metrics(merge_metric_parts(res.raw_parts), info)
         t1 = _sync_time(device)
-        clip_and_step(t.model, t.optimizer, t.scheduler, t.max_grad_norm)
-        t2 = _sync_time(device)
         if not math.isfinite(res.loss):
             raise RuntimeError(f"bench trainer: step {step} gave a non-finite loss ({res.loss})")
         if res.forwarded != planned:  # the FLOP count assumes exactly full rows
             raise RuntimeError(f"bench trainer: rows forwarded {res.forwarded} tokens, planned {planned}")
         if cfg.warmup <= step < timed_end:
-            fb_s.append(t1 - t0)
-            opt_s.append(t2 - t1)
+            step_s.append(t1 - t0)
+            opt_s.append(res.optimizer_s)
         if profiler is not None:
             profiler.after(step + 1)
     if profiler is not None:
         profiler.close()
-    return fb_s, opt_s, flops
+    return step_s, opt_s, flops
 
 
 def _profiler(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, root: Path) -> Any:
@@ -327,12 +328,10 @@ def bench_shape(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, roo
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     profiler = _profiler(shape, cfg, info, device, root)
-    fb_s, opt_s, flops = timed_steps(t, cfg, info, device, profiler)
+    step_times, opt_s, flops = timed_steps(t, cfg, info, device, profiler)
     n = cfg.steps
     worst = _max_over_ranks(
-        [f + o for f, o in zip(fb_s, opt_s)]
-        + opt_s
-        + [_peak_gib(device, "allocated"), _peak_gib(device, "reserved")],
+        step_times + opt_s + [_peak_gib(device, "allocated"), _peak_gib(device, "reserved")],
         info,
         device,
     )

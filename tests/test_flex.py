@@ -211,9 +211,10 @@ def test_tuned_options_reach_16_bit_heads_of_their_size_on_their_gpu_unless_opti
     from asyncgrpo_cli.model import flex
 
     tuned = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 4}
-    assert flex.tuned_options((9, 0), 128) == tuned
-    assert flex.tuned_options((8, 0), 128) == {} and flex.tuned_options((9, 0), 64) == {}
-    assert flex.tuned_options(None, 128) == {}
+    bf16 = torch.bfloat16
+    assert flex.tuned_options((9, 0), 128, bf16) == tuned
+    assert flex.tuned_options((8, 0), 128, bf16) == {} and flex.tuned_options((9, 0), 64, bf16) == {}
+    assert flex.tuned_options(None, 128, bf16) == {} and flex.tuned_options((9, 0), 128, torch.float32) == {}
 
     def q(dtype, head_dim):
         return torch.empty(1, 2, 4, head_dim, dtype=dtype)
@@ -225,6 +226,11 @@ def test_tuned_options_reach_16_bit_heads_of_their_size_on_their_gpu_unless_opti
         assert flex.call_options(q(torch.float16, 128)) == tuned
         assert flex.call_options(q(torch.float32, 128)) is None  # measured for 16-bit tiles only
         assert flex.call_options(q(torch.bfloat16, 64)) is None
+        # it runs inside compiled layers: dynamo traces it without a graph break
+        traced = torch.compile(
+            lambda x: x * 1 if flex.call_options(x) else x * 2, backend="eager", fullgraph=True
+        )
+        assert torch.equal(traced(torch.ones(1, 2, 4, 128, dtype=torch.bfloat16)), torch.ones(1, 2, 4, 128))
         assert "tuned for this GPU and head dim 128" in flex.describe_options(128)
         assert flex.describe_options(64) == "torch's table for the GPU"
         flex.set_kernel_options({"bwd_num_warps": 4}, tuned_for=torch.device("cuda", 0))  # given: only those

@@ -79,7 +79,7 @@ def candidate_options(name: str, q: Any) -> dict[str, Any] | None:
 
     if name == "default":
         capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
-        return tuned_options(capability, q.shape[-1]) or None
+        return tuned_options(capability, q.shape[-1], q.dtype) or None
     return KERNEL_OPTIONS.get(name) or None
 
 

@@ -53,13 +53,18 @@ candidate lost to (docs/benchmarks.md, 2026-12-03)."""
 
 _KERNEL_OPTIONS: dict[str, Any] = {}
 """``model.flex_kernel_options`` of this process's policy (:func:`set_kernel_options`)."""
-_TUNED: dict[int, dict[str, Any]] = {}
-"""Head dim -> :data:`TUNED_OPTIONS` of this process's GPU, used while ``_KERNEL_OPTIONS`` is empty."""
+_TUNED_GPU: list[tuple[int, int]] = []
+"""The capability of this process's GPU when its :data:`TUNED_OPTIONS` apply (:func:`set_kernel_options`)."""
 
 
-def tuned_options(capability: tuple[int, int] | None, head_dim: int) -> dict[str, Any]:
-    """The measured options for a GPU of ``capability`` and heads of ``head_dim`` (16-bit), or {} (torch's)."""
-    return dict(TUNED_OPTIONS.get(tuple(capability) if capability else None, {}).get(head_dim, {}))
+def tuned_options(capability: tuple[int, int] | None, head_dim: int, dtype: Any) -> dict[str, Any]:
+    """The measured options for a GPU of ``capability`` and heads of ``head_dim`` in ``dtype`` (16-bit only), or
+    {} (torch's table)."""
+    import torch
+
+    if dtype not in (torch.bfloat16, torch.float16) or not capability:
+        return {}
+    return dict(TUNED_OPTIONS.get(tuple(capability), {}).get(head_dim, {}))
 
 
 def set_kernel_options(options: dict[str, Any], tuned_for: Any = None) -> None:
@@ -81,29 +86,29 @@ def set_kernel_options(options: dict[str, Any], tuned_for: Any = None) -> None:
         )
     _KERNEL_OPTIONS.clear()
     _KERNEL_OPTIONS.update(options)
-    _TUNED.clear()
+    _TUNED_GPU.clear()
     if not options and tuned_for is not None and torch.device(tuned_for).type == "cuda":
-        _TUNED.update(TUNED_OPTIONS.get(torch.cuda.get_device_capability(tuned_for), {}))
-
-
-def describe_options(head_dim: int) -> str:
-    """Which kernel options flex calls of 16-bit heads of ``head_dim`` get (for the loader's log)."""
-    if _KERNEL_OPTIONS:
-        return f"model.flex_kernel_options {_KERNEL_OPTIONS}"
-    if head_dim in _TUNED:
-        return f"tuned for this GPU and head dim {head_dim} {_TUNED[head_dim]} (model.flex_tuned_options)"
-    return "torch's table for the GPU"
+        _TUNED_GPU.append(tuple(torch.cuda.get_device_capability(tuned_for)))
 
 
 def call_options(query: Any) -> dict[str, Any] | None:
     """The ``kernel_options`` of a flex call on ``query`` [B, H, L, D] (``None``: torch's table)."""
+    if _KERNEL_OPTIONS:
+        return dict(_KERNEL_OPTIONS)
+    gpu = _TUNED_GPU[0] if _TUNED_GPU else None
+    return tuned_options(gpu, query.shape[-1], query.dtype) or None
+
+
+def describe_options(head_dim: int) -> str:
+    """Which kernel options flex calls of 16-bit heads of ``head_dim`` get (for the loader's log)."""
     import torch
 
     if _KERNEL_OPTIONS:
-        return dict(_KERNEL_OPTIONS)
-    if query.dtype in (torch.bfloat16, torch.float16) and query.shape[-1] in _TUNED:
-        return dict(_TUNED[query.shape[-1]])
-    return None
+        return f"model.flex_kernel_options {_KERNEL_OPTIONS}"
+    tuned = tuned_options(_TUNED_GPU[0] if _TUNED_GPU else None, head_dim, torch.bfloat16)
+    if tuned:
+        return f"tuned for this GPU and head dim {head_dim} {tuned} (model.flex_tuned_options)"
+    return "torch's table for the GPU"
 
 
 def resolve_attn_implementation(name: str, device: Any) -> str:

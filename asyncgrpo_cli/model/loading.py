@@ -37,6 +37,13 @@ def linear_attention_layers(config: Any) -> list[int]:
     return []
 
 
+def attention_head_dim(config: Any) -> int:
+    """The attention heads' dim of a decoder config (its ``text_config`` for a multimodal wrapper): ``head_dim``,
+    else hidden size / heads."""
+    cfg = getattr(config, "text_config", None) or config
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
 def load_tokenizer(path: str, cfg: ModelConfig) -> Any:
     from transformers import AutoTokenizer
 
@@ -104,9 +111,9 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
     )
     logger.info("model.attn_implementation=%s: attention runs as %s", cfg.attn_implementation, attn)
     if attn == FLEX_IMPL:
-        text = model.config.get_text_config(decoder=True)
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        logger.info("flex attention kernel options (16-bit): %s", describe_options(head_dim))
+        logger.info(
+            "flex attention kernel options (16-bit): %s", describe_options(attention_head_dim(model.config))
+        )
     if cfg.flex_kernel_options and attn != FLEX_IMPL:
         logger.warning(
             "model.flex_kernel_options are not used: attention runs as %s, not flex attention", attn

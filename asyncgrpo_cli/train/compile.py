@@ -70,40 +70,43 @@ def compile_decoder_layers(model: Any) -> None:
     layers = decoder_layers(model)
     limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
     setattr(dynamo, limit, max(getattr(dynamo, limit), 8 + 2 * len(layers)))
+    settings = _tracing_settings()
     for layer in layers:
-        layer.forward = _dynamic_rows(torch.compile(layer.forward), layer.forward)
+        layer.forward = _dynamic_rows(torch.compile(layer.forward), layer.forward, settings)
 
 
-def _dynamic_rows(compiled: Any, eager: Any) -> Any:
+def _dynamic_rows(compiled: Any, eager: Any, settings: dict[str, Any] | None = None) -> Any:
     """The layer's forward: training calls run ``compiled`` with the row length marked dynamic; calls without
     autograd (the weight-sync check's probe, ``sync/verify.py``) run ``eager``: a few short forwards per sync are
-    not worth another graph per layer, nor compiling a flex mask built inside the layer."""
+    not worth another graph per layer, nor compiling a flex mask built inside the layer. ``settings``: the dynamo
+    config the compiled calls run under (:func:`_tracing_settings`)."""
     import torch
+    import torch._dynamo.config as dynamo
+
+    settings = settings or {}
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return eager(*args, **kwargs)
         mark_row_length_dynamic(args, kwargs)
-        with _tracing_config():
+        with dynamo.patch(settings):
             return compiled(*args, **kwargs)
 
     return forward
 
 
-def _tracing_config() -> Any:
+def _tracing_settings() -> dict[str, Any]:
     """Dynamo settings the layers compile under. With the ``kernels`` package installed (transformers 5.25
     requires it), its ``use_kernelized_func`` wraps every attention module's forward in a set / reset of a
     module-level variable. Inside a gradient-checkpointed layer dynamo refuses that side effect (it could not be
     replayed when the backward recomputes the layer), breaks the graph, and the whole layer runs eagerly: nothing
     compiles. The set / reset pair leaves nothing behind, so the recomputation need not replay it: dynamo's
-    ``skip_fwd_side_effects_in_bwd_under_checkpoint`` says so, for these calls only."""
-    import contextlib
-
+    ``skip_fwd_side_effects_in_bwd_under_checkpoint`` says so, for these calls only (a torch without the flag
+    gets nothing)."""
     import torch._dynamo.config as dynamo
 
-    if not hasattr(dynamo, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
-        return contextlib.nullcontext()
-    return dynamo.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+    name = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+    return {name: True} if hasattr(dynamo, name) else {}
 
 
 def mark_row_length_dynamic(args: tuple, kwargs: dict[str, Any]) -> None:
@@ -182,11 +185,10 @@ class CompileMeter:
         self._install()
         new = [r for r in counters["graph_break"] if r not in self._breaks_seen]
         self._breaks_seen.update(new)
-        breaks = tuple(
-            line
-            for line in (r.strip().splitlines()[0] if r.strip() else r for r in new)
-            if _MEANT_BREAK not in line
-        )
+        firsts = (
+            (r.strip().splitlines() or [""])[0] for r in new
+        )  # the break's kind (hints may name disable)
+        breaks = tuple(line for line in firsts if _MEANT_BREAK not in line)
         with self._lock:
             out = CompileCost(self._seconds, self._count, breaks)
             self._seconds, self._count = 0.0, 0

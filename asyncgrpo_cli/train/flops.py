@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from asyncgrpo_cli.model.loading import linear_attention_layers
+from asyncgrpo_cli.model.loading import attention_head_dim, linear_attention_layers
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +87,8 @@ def text_config(config: Any) -> Any:
 def attention_width(config: Any) -> int:
     """A = full-attention layers x heads x head_dim (linear-attention layers excluded)."""
     cfg = text_config(config)
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return (cfg.num_hidden_layers - len(linear_attention_layers(config))) * heads * head_dim
+    full = cfg.num_hidden_layers - len(linear_attention_layers(config))
+    return full * cfg.num_attention_heads * attention_head_dim(config)
 
 
 def gdn_flops_per_token(config: Any, chunk: int = GDN_CHUNK) -> int:

@@ -199,3 +199,33 @@ def test_bench_under_torchrun_on_two_cpu_ranks(tmp_path):
     r = json.loads(two.read_text())["results"][0]
     assert r["world_size"] == 2 and r["tokens_per_step"] == 2048 and r["baseline_world_size"] == 1
     assert r["scaling_efficiency"] > 0
+
+
+def test_one_process_packs_the_next_first_row_under_the_step(tmp_path, monkeypatch):
+    """As the trainer in one process: every step after the first gets its first row packed in the previous step's
+    ``overlap``, and it is the row the packer makes of that step's own first sample list."""
+    import torch
+
+    from asyncgrpo_cli.bench import trainer as bench
+    from asyncgrpo_cli.train import step as step_mod
+    from asyncgrpo_cli.train.distributed import init_distributed
+
+    seen = []
+    real = step_mod.forward_backward
+
+    def recording(model, rows, *args, first_row=None, overlap=None, **kwargs):
+        seen.append((rows[0], first_row, overlap is not None))
+        return real(model, rows, *args, first_row=first_row, overlap=overlap, **kwargs)
+
+    monkeypatch.setattr(step_mod, "forward_backward", recording)
+    cfg = parse_args([*TINY, "steps=2", "warmup=1"])
+    device = torch.device("cpu")
+    info = init_distributed(device, 60.0)
+    t = bench.build_trainer("tiny", cfg, info, device, tmp_path)
+    step_s, _, flops = bench.timed_steps(t, cfg, info, device)
+    assert len(seen) == 3 and len(step_s) == 2 and flops > 0
+    assert seen[0][1] is None and all(overlapped for *_, overlapped in seen)
+    for samples, first_row, _ in seen[1:]:
+        again = t.packer.pack(samples)
+        assert first_row is not None and torch.equal(first_row.input_ids, again.input_ids)
+        assert torch.equal(first_row.pred_index, again.pred_index) and torch.equal(first_row.leave, again.leave)

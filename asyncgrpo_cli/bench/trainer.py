@@ -17,13 +17,14 @@ baseline's), ``profile=N`` (N untimed steps after the timed ones under torch.pro
 goes, by kernel kind, printed under the row; ``train/profiler.py``).
 
 Each step is the trainer's own path: rank 0 builds the rows and scatters them (``scatter_step``), every rank packs
-its row (``packing.kind``), runs ``forward_backward`` (decoder with the configured attention, the LM head of
+its row (``packing.kind``; in a single process the next step's first row is packed under this step's GPU work, in
+``forward_backward``'s ``overlap``, as the trainer packs it), runs ``forward_backward`` (decoder with the configured attention, the LM head of
 ``lm_head_kernel``, loss; the clip and fused AdamW step queued behind the last backward, as the trainer queues
 them) and reduces the loss metrics. The model comes from ``load_policy`` (a weightless checkpoint: every weight is
 initialized at random, seeded alike on every rank; for hybrids the packed gated-DeltaNet forward with the resolved
 kernel, printed in the table's last column) and FSDP2's ``shard_model``. Rows are filled to exactly
 ``token_budget`` forwarded tokens with GRPO-like groups (``group_size`` completions of one prompt), so every rank
-does the same work. Timed: packing, forward+backward, metric reduction and the optimizer step, between two
+does the same work. Timed: packing (but for a single process's prepacked first row), forward+backward, metric reduction and the optimizer step, between two
 ``torch.cuda.synchronize`` calls (``opt s``: the optimizer's GPU time within the step, CUDA events); row generation
 and the scatter are not (``asyncgrpo bench trainer-overhead`` measures planning).
 
@@ -254,27 +255,38 @@ def timed_steps(
     step_s, opt_s, flops = [], [], 0.0
     optimizer = OptimizerStep(t.model, t.optimizer, t.scheduler, t.max_grad_norm)
     timed_end = cfg.warmup + cfg.steps
+
+    def plan_step() -> tuple[list[RankStep] | None, list[RowPlan]]:
+        """Rank 0 plans every rank's rows, as the trainer does (other ranks: nothing)."""
+        if not info.is_main:
+            return None, []
+        plans = [
+            [
+                synthetic_row(rng, cfg, config.vocab_size, t.shared_prompt, first_group=cfg.token_budget * i)
+                for i in range(r * cfg.grad_accum, (r + 1) * cfg.grad_accum)
+            ]
+            for r in range(info.world_size)
+        ]
+        trained = sum(p.trained for rank in plans for p in rank)
+        per_rank = [
+            RankStep(done=False, rows=[p.samples for p in rank], num_trained=trained) for rank in plans
+        ]
+        return per_rank, [p for rank in plans for p in rank]
+
+    upcoming, ahead = plan_step(), {}
     for step in range(timed_end + cfg.profile):  # the profiled steps: ``profiler`` is set iff cfg.profile
         if profiler is not None:
             profiler.before(step + 1)
-        per_rank = None
-        if info.is_main:  # rank 0 plans every rank's rows, as the trainer does
-            plans = [
-                [
-                    synthetic_row(
-                        rng, cfg, config.vocab_size, t.shared_prompt, first_group=cfg.token_budget * i
-                    )
-                    for i in range(r * cfg.grad_accum, (r + 1) * cfg.grad_accum)
-                ]
-                for r in range(info.world_size)
-            ]
-            trained = sum(p.trained for rank in plans for p in rank)
-            per_rank = [
-                RankStep(done=False, rows=[p.samples for p in rank], num_trained=trained) for rank in plans
-            ]
-            if cfg.warmup <= step < timed_end:
-                flops += step_flops(t.flops, [p for rank in plans for p in rank])["total"]
+        (per_rank, plans), upcoming = upcoming, plan_step()  # the next step's rows: untimed
+        if cfg.warmup <= step < timed_end:
+            flops += step_flops(t.flops, plans)["total"] if plans else 0.0
         mine = scatter_step(per_rank, info)
+        first_row, overlap = ahead.pop("row", None), None
+        if not info.enabled:  # one process: the next step's first row is packed under this step's GPU work
+
+            def overlap(samples: list = upcoming[0][0].rows[0]) -> None:
+                ahead["row"] = t.packer.pack(samples)
+
         t0 = _sync_time(device)
         res = forward_backward(
             t.model,
@@ -286,6 +298,8 @@ def timed_steps(
             1.0,
             info.world_size,
             head_kernel=cfg.lm_head_kernel,
+            overlap=overlap,
+            first_row=first_row,
             optimizer=optimizer,
         )
         reduce_raw_metrics(merge_metric_parts(res.raw_parts), info)

@@ -228,4 +228,6 @@ def test_one_process_packs_the_next_first_row_under_the_step(tmp_path, monkeypat
     for samples, first_row, _ in seen[1:]:
         again = t.packer.pack(samples)
         assert first_row is not None and torch.equal(first_row.input_ids, again.input_ids)
-        assert torch.equal(first_row.pred_index, again.pred_index) and torch.equal(first_row.leave, again.leave)
+        assert torch.equal(first_row.pred_index, again.pred_index) and torch.equal(
+            first_row.leave, again.leave
+        )

@@ -49,6 +49,10 @@ def test_summary_is_per_step_by_kind_and_lists_the_top_kernels():
         "| 3.00 | 10 | matmul | nvjet_a |",
         "| 1.50 | 2 | attention | triton_tem_fused_flex_attention_1 |",
     ]
+    with_idle = summary(
+        rows, (5, 6), wall_s=0.02, top=2, device="cuda:0", idle=["GPU idle 1.0 ms"]
+    ).splitlines()
+    assert with_idle.index("GPU idle 1.0 ms") < with_idle.index("top 2:")
 
 
 def test_consecutive_steps_share_one_trace_and_an_open_recording_is_written_on_close(tmp_path):

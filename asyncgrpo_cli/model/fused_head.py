@@ -19,7 +19,8 @@ doc for z, log Z, the entropy and the candidate log-probs); what differs is wher
   are then overwritten with their exact value ∂z/∂x·(Σ_{j: id_j = v} g_j - G·p_v), computed in fp32 from the
   forward's picked logits (an ``index_put_`` of N x (1 + K) entries; adding g to the rounded dense value instead
   would cancel catastrophically in bf16 where p_target is close to 1). Two cuBLAS matmuls per tile then give
-  grad_h += ∂L/∂x · W_tile and grad_W_tile += ∂L/∂xᵀ · h, as in the chunked head.
+  grad_h += ∂L/∂x · W_tile (accumulated in fp32 by the matmul itself, :func:`accumulate_mm`) and
+  grad_W_tile += ∂L/∂xᵀ · h, as in the chunked head.
 
 Logits are accumulated and kept in fp32 (the chunked and dense heads round the matmul's output to the weight
 dtype first), so bf16 results differ from theirs by that rounding; fp32 inputs run the dot in IEEE fp32
@@ -154,6 +155,17 @@ def raw_logits(h: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Ten
     return torch.mm(h.float(), w.float().T, out=out)
 
 
+def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` for an fp32 ``acc``. On CUDA with 16-bit ``a`` / ``b``, one cuBLAS call adds the product
+    into ``acc`` in its epilogue (``addmm`` with fp32 output, beta = 1): no rounding of each tile's product to the
+    weight dtype and no separate fp32 add over ``acc`` (the backward's largest element-wise pass, once per
+    vocabulary tile). Elsewhere the product, then the add."""
+    if acc.is_cuda and a.dtype != torch.float32:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc += a @ b
+
+
 # ------------------------------------------------------------------------------------------------- autograd
 class FusedHeadFunction(torch.autograd.Function):
     """(hidden, weight, bias, targets, candidate_ids, transform) -> (logprobs, entropy, candidate_logprobs)."""
@@ -235,12 +247,12 @@ class FusedHeadFunction(torch.autograd.Function):
                 cols = torch.where(inside, local, vocab_chunk)
                 dx_buffer[: p1 - p0].index_put_((row_index[: p1 - p0], cols), exact[p0:p1].to(w.dtype))
                 if need_h:
-                    grad_h[p0:p1] += dx @ w_tile
+                    accumulate_mm(grad_h[p0:p1], dx, w_tile)
                 if need_w:
                     if gw is None:
                         grad_w[v0:v1] = dx.T @ h[p0:p1]  # one chunk of positions: cuBLAS accumulates in fp32
                     else:
-                        gw += dx.T @ h[p0:p1]
+                        accumulate_mm(gw, dx.T, h[p0:p1])
                 if need_b:
                     gb += dx.sum(0, dtype=torch.float32)
             if gw is not None:

@@ -7,7 +7,8 @@ due. Each rank writes, under the run directory's ``profile/``:
 
 - ``steps-A-B-rank-R.json.gz``: the trace (open it in Perfetto or ``chrome://tracing``);
 - ``steps-A-B-rank-R.txt``: the device's kernel time per step by kind and the top kernels, against the steps'
-  wall time (on CPU: operators' self time instead of kernels).
+  wall time (on CPU: operators' self time instead of kernels); on CUDA also the device's idle time and its long
+  gaps by the host operation that launched the next kernel (``train/profile_gaps.py``).
 
 torch.profiler records and exports the trace; the summary is written here because the profiler's own table
 (``key_averages``) lists CPU operators and the kernels they launch side by side, so summing it counts the GPU
@@ -49,10 +50,16 @@ def kind_of(name: str) -> str:
 
 
 def summary(
-    rows: list[tuple[str, float, int]], steps: tuple[int, int], wall_s: float, top: int, device: str
+    rows: list[tuple[str, float, int]],
+    steps: tuple[int, int],
+    wall_s: float,
+    top: int,
+    device: str,
+    idle: list[str] | None = None,
 ) -> str:
     """The text summary of recorded kernels ``rows`` = (name, total microseconds, calls) over ``steps`` (first,
-    last) that took ``wall_s`` seconds in all: per-step time by kind and the ``top`` kernels."""
+    last) that took ``wall_s`` seconds in all: per-step time by kind and the ``top`` kernels; ``idle``: the
+    device's idle section (``train/profile_gaps.idle_lines``), after the kinds."""
     n = steps[1] - steps[0] + 1
     total = sum(us for _, us, _ in rows)
     by_kind: dict[str, float] = defaultdict(float)
@@ -69,6 +76,8 @@ def summary(
     ]
     for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         lines.append(f"| {kind} | {ms(us):.2f} | {100 * us / max(total, 1e-9):.1f}% |")
+    if idle:
+        lines += ["", *idle]
     lines += ["", f"top {top}:", "| ms per step | calls per step | kind | name |", "|---|---|---|---|"]
     for name, us, calls in sorted(rows, key=lambda r: -r[1])[:top]:
         lines.append(f"| {ms(us):.2f} | {calls / n:g} | {kind_of(name)} | {name[:160]} |")
@@ -145,7 +154,8 @@ class StepProfiler:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             trace = self.out_dir / f"{stem}.json.gz"
             prof.export_chrome_trace(str(trace))
-            text = summary(recorded_rows(prof, cuda), steps, wall, self.cfg.top, str(self.device))
+            idle = _idle_of(trace, steps[1] - steps[0] + 1) if cuda else None
+            text = summary(recorded_rows(prof, cuda), steps, wall, self.cfg.top, str(self.device), idle)
             (self.out_dir / f"{stem}.txt").write_text(text)
         except (OSError, RuntimeError) as e:  # a full disk must not stop the run
             logger.warning("trainer.profile: could not write the profile of steps %s-%s: %s", *steps, e)
@@ -153,3 +163,19 @@ class StepProfiler:
         self.written += [trace, self.out_dir / f"{stem}.txt"]
         self.summaries.append(text)
         logger.info("trainer.profile: %s (%s)", trace, text.splitlines()[0])
+
+
+def _idle_of(trace: Path, steps: int) -> list[str]:
+    """The idle section of a written trace (``train/profile_gaps.py``); none when it cannot be read back."""
+    import gzip
+    import json
+
+    from asyncgrpo_cli.train.profile_gaps import idle_lines
+
+    try:
+        with gzip.open(trace, "rt") as f:
+            events = json.load(f).get("traceEvents", [])
+    except (OSError, ValueError) as e:
+        logger.warning("trainer.profile: could not read %s back for its idle time: %s", trace, e)
+        return []
+    return idle_lines(events, steps)

@@ -58,8 +58,9 @@ def rel(x, y):
         ((4109, 1024, 151936, 8), torch.bfloat16, LogitTransform(0.7), False),
         ((1000, 2048, 49157, 3), torch.bfloat16, LogitTransform(1.0, scale=0.8, softcap=30.0), True),
         ((777, 256, 32011, 5), torch.float32, LogitTransform(0.9), True),
+        ((9000, 256, 32011, 4), torch.bfloat16, LogitTransform(1.0), False),
     ],
-    ids=["qwen3_vocab_bf16", "softcap_bias_bf16", "fp32"],
+    ids=["qwen3_vocab_bf16", "softcap_bias_bf16", "fp32", "two_position_chunks_bf16"],
 )
 def test_fused_head_is_at_least_as_close_to_fp64_as_the_chunked_head(shape, dtype, transform, bias):
     h, w, b, targets, cands = make(*shape, dtype, bias)
@@ -76,6 +77,28 @@ def test_fused_head_is_at_least_as_close_to_fp64_as_the_chunked_head(shape, dtyp
         assert err <= max(tol, 1.05 * chunked_err), (name, err, chunked_err)
     for got, other, want in zip(fused_grads, chunked_grads, ref_grads, strict=True):
         assert rel(got, want) <= max(2e-5 if dtype == torch.float32 else 1e-2, 1.1 * rel(other, want))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_accumulate_mm_adds_the_product_in_place_in_fp32(transposed):
+    """The backward's ``acc += a @ b`` (fp32 acc, bf16 a / b) in one cuBLAS call: into acc's own memory, with the
+    product unrounded (closer to fp64 than adding the bf16-rounded product)."""
+    from asyncgrpo_cli.model.fused_head import accumulate_mm
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(3000 if transposed else 700, 700 if transposed else 3000, device="cuda", generator=gen)
+    a = (a.T if transposed else a).to(
+        torch.bfloat16
+    )  # the gradient tile's transpose (dx.T), as backward uses it
+    b = torch.randn(3000, 512, device="cuda", generator=gen).to(torch.bfloat16)
+    acc = torch.randn(700, 512, device="cuda", generator=gen)
+    want = acc.double() + a.double() @ b.double()
+    rounded = acc + (a @ b).float()
+    ptr = acc.data_ptr()
+    accumulate_mm(acc, a, b)
+    assert acc.data_ptr() == ptr and acc.dtype == torch.float32
+    err, rounded_err = (acc.double() - want).abs().max().item(), (rounded.double() - want).abs().max().item()
+    assert err < 1e-3 and err < rounded_err, (err, rounded_err)
 
 
 def test_token_logprobs_on_cuda_equal_the_chunked_head():

@@ -66,6 +66,9 @@ def test_two_ranks_match_one_process(tiny_model_dir, tmp_path, loss):
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
     assert a["losses"] == pytest.approx(b["losses"], abs=1e-6)
+    # the clip's norm is reduced over both ranks' shards (it is over max_grad_norm=1: the clip acts)
+    assert a["grad_norms"] == pytest.approx(b["grad_norms"], rel=1e-5)
+    assert a["grad_norms"][0] > 1.0
     assert set(a["params"]) == set(b["params"])
     from safetensors.torch import load_file
 

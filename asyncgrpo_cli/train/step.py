@@ -38,6 +38,7 @@ import torch
 from asyncgrpo_cli.model.logprobs import TokenStats, check_row, token_logprobs
 from asyncgrpo_cli.samples import TrainingSequence
 from asyncgrpo_cli.train.flops import attended_pairs
+from asyncgrpo_cli.train.optim import clip_grad_norm
 
 if TYPE_CHECKING:
     from asyncgrpo_cli.model.router import RouterAux
@@ -77,12 +78,11 @@ class OptimizerStep:
     max_grad_norm: float
 
     def queue(self) -> torch.Tensor:
-        """Clip (FSDP2-aware: DTensor norms reduce over ranks), step, zero; the pre-clip norm, not read back."""
+        """Clip (FSDP2's shards, the norm reduced over ranks: ``optim.clip_grad_norm``), step, zero; the pre-clip
+        norm, not read back."""
         params = [q for q in self.model.parameters() if q.requires_grad]
         limit = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, limit)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
+        norm = clip_grad_norm(params, limit)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

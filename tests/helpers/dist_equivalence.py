@@ -131,7 +131,7 @@ def main() -> None:
         state = read_resume_state(Path(args.resume)).trainer
         load_training_state(Path(args.resume), model, optimizer, scheduler, info)
     packer = SequencePacker(PackingConfig(kind="sequence"))
-    losses, params_by_step, aux_means = [], {}, []
+    losses, params_by_step, aux_means, grad_norms = [], {}, [], []
     for rows, num_trained in step_rows(model.config.vocab_size, state.step + args.steps, args.rows)[
         state.step :
     ]:
@@ -145,12 +145,13 @@ def main() -> None:
         losses.append(float(total[0]))
         if router is not None:
             aux_means.append(float(total[1] / total[2]))
-        clip_and_step(model, optimizer, scheduler, tcfg.max_grad_norm)
+        grad_norms.append(clip_and_step(model, optimizer, scheduler, tcfg.max_grad_norm))
         state.step += 1
         params_by_step[state.step] = {k: t.clone() for k, t in iter_full_state(model, info)}  # CPU: no alias
     out = {
         "losses": losses,
         "aux_means": aux_means,
+        "grad_norms": grad_norms,
         "params": params_by_step[state.step],
         "params_by_step": params_by_step,
         "world_size": info.world_size,

@@ -1,0 +1,105 @@
+"""The gradient clip on FSDP2's local shards (``train/optim.clip_grad_norm``) against
+``torch.nn.utils.clip_grad_norm_`` on the DTensors: the same norm and the same clipped gradients, bit for bit."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from asyncgrpo_cli.config.schema import LossConfig, ModelConfig, PackingConfig
+from asyncgrpo_cli.model.loading import load_policy
+from asyncgrpo_cli.packing.sequence import SequencePacker
+from asyncgrpo_cli.train.distributed import DistInfo, destroy_distributed, shard_model
+from asyncgrpo_cli.train.losses import ClippedLoss
+from asyncgrpo_cli.train.optim import _local_shards, clip_grad_norm
+from asyncgrpo_cli.train.step import forward_backward
+
+CPU = torch.device("cpu")
+
+
+def _model_with_grads(tiny_model_dir, sharded: bool):
+    from asyncgrpo_cli.bench.trainer_overhead import synthetic_groups
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        name_or_path=str(tiny_model_dir),
+        dtype="float32",
+        gradient_checkpointing=False,
+        attn_implementation="sdpa",
+    )
+    model = load_policy(str(tiny_model_dir), cfg, CPU)
+    if sharded:
+        model = shard_model(model, DistInfo(), CPU, mixed_precision="bfloat16", cpu_offload=False)
+    vocab = model.config.vocab_size
+    samples = synthetic_groups(
+        np.random.default_rng(0), 2, 2, prompt_len=8, completion_len=16, vocab=vocab, num_topk=0
+    )
+    for s in samples:
+        s.sampler_logprobs[s.train_mask] = -math.log(vocab)
+    packer, loss_fn = SequencePacker(PackingConfig(kind="sequence")), ClippedLoss(LossConfig())
+    forward_backward(model, [samples], sum(s.num_trained for s in samples), packer, loss_fn, CPU, 1.0)
+    return model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _both_ways(model, max_norm: float):
+    """(norm, grads) of torch's clip and of ours, each from the same starting gradients."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    start = [_local(p.grad).clone() for p in params]
+    results = []
+    for ours in (False, True):
+        for p, g in zip(params, start):
+            _local(p.grad).copy_(g)
+        if ours:
+            norm = clip_grad_norm(params, max_norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        results.append((norm.clone(), [_local(p.grad).clone() for p in params]))
+    return start, results
+
+
+@pytest.mark.parametrize(
+    "max_norm", [0.05, 1e9, math.inf], ids=["clipping", "under_the_limit", "measure_only"]
+)
+def test_the_clip_of_fsdp2_shards_is_torchs_clip_bit_for_bit(tiny_model_dir, max_norm):
+    try:
+        model = _model_with_grads(tiny_model_dir, sharded=True)
+        grads = [p.grad for p in model.parameters()]
+        assert type(grads[0]).__name__ == "DTensor"
+        assert _local_shards(grads) is not None  # the local path, not the fallback
+        start, ((norm_t, grads_t), (norm_o, grads_o)) = _both_ways(model, max_norm)
+    finally:
+        destroy_distributed()
+    assert norm_o.dtype == norm_t.dtype and norm_o.shape == norm_t.shape == ()
+    assert norm_o.item() == norm_t.item() > 0.05
+    for ref, got in zip(grads_t, grads_o):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    changed = any(not torch.equal(g, s) for g, s in zip(grads_o, start))
+    assert changed == (max_norm == 0.05)  # scaled only when the norm is over the limit
+
+
+def test_the_clip_of_plain_gradients_is_torchs_clip_bit_for_bit(tiny_model_dir):
+    model = _model_with_grads(tiny_model_dir, sharded=False)
+    _, ((norm_t, grads_t), (norm_o, grads_o)) = _both_ways(model, 0.05)
+    assert norm_o.item() == norm_t.item()
+    for ref, got in zip(grads_t, grads_o):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def test_gradients_the_local_path_cannot_read_take_torchs_clip(tiny_model_dir):
+    try:
+        model = _model_with_grads(tiny_model_dir, sharded=True)
+        params = [p for p in model.parameters()]
+        mixed = [params[0].grad, torch.ones(3)]  # a DTensor beside a plain tensor
+        assert _local_shards(mixed) is None
+        assert _local_shards([torch.ones(3)]) is not None
+        assert clip_grad_norm([], 1.0).item() == 0.0
+    finally:
+        destroy_distributed()

@@ -82,9 +82,11 @@ def test_rejects_bad_samples():
         pack([])
 
 
-def test_to_device_moves_every_tensor():
+@pytest.mark.parametrize("non_blocking", [False, True])
+def test_to_device_moves_every_tensor(non_blocking):
+    """(``non_blocking`` pins only host-to-GPU copies, ``tests/gpu/test_device_copy_gpu.py``; others are torch's.)"""
     row = pack([sample([1, 2, 3], [0, 1, 1], [0, -1, -1], topk_ids=[[1], [2]], topk_lps=[[-1], [-2]])]).to(
-        "meta"
+        "meta", non_blocking=non_blocking
     )
     tensors = [v for v in vars(row).values() if isinstance(v, torch.Tensor)]
     tensors += [v for v in vars(row.extras[SAMPLER_TOPK]).values() if isinstance(v, torch.Tensor)]

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from asyncgrpo_cli.device_copy import to_device
 from asyncgrpo_cli.packing.attention import dense_mask
 from asyncgrpo_cli.samples import TeacherTopK, TopK, TrainingSequence
 
@@ -97,10 +98,11 @@ class PackedRow:
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRow:
-        """A copy with every tensor (extras included) on ``device`` (counts unchanged)."""
+        """A copy with every tensor (extras included) on ``device`` (counts unchanged); ``non_blocking``: to a GPU
+        through pinned memory, so the host does not wait for the GPU's queued work (``device_copy.py``)."""
 
         def move(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=non_blocking)
+            return to_device(t, device) if non_blocking else t.to(device)
 
         moved: dict[str, Any] = {
             f.name: move(getattr(self, f.name))

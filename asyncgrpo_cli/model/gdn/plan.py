@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from asyncgrpo_cli.device_copy import to_device
+
 CHUNK = 64
 """Chunk length of the chunked delta rule (transformers' ``torch_chunk_gated_delta_rule`` and fla use 64)."""
 
@@ -125,8 +127,8 @@ def build_plan(leave: torch.Tensor, conv_taps: int, chunk: int = CHUNK) -> Recur
         members = np.flatnonzero(depth == d)
         pos_in_level[members] = np.arange(members.shape[0])
         inputs = np.where(pred[members] >= 0, pos_in_level[np.maximum(pred[members], 0)], prev_size)
-        levels.append(torch.from_numpy(members).to(device))
-        level_inputs.append(torch.from_numpy(inputs).to(device))
+        levels.append(to_device(torch.from_numpy(members), device))
+        level_inputs.append(to_device(torch.from_numpy(inputs), device))
         prev_size = members.shape[0]
 
     seg_depth = np.zeros(start.shape[0], dtype=np.int64)
@@ -136,7 +138,7 @@ def build_plan(leave: torch.Tensor, conv_taps: int, chunk: int = CHUNK) -> Recur
     segment_levels = [np.flatnonzero(seg_depth == d) for d in range(int(seg_depth.max(initial=-1)) + 1)]
 
     def on_device(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        return to_device(torch.from_numpy(np.ascontiguousarray(a)), device)
 
     return RecurrencePlan(
         num_tokens=n,

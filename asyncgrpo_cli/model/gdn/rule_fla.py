@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from asyncgrpo_cli.device_copy import to_device
 from asyncgrpo_cli.model.gdn.plan import RecurrencePlan
 
 
@@ -28,7 +29,7 @@ def _cu(lengths: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.
     cu = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
     np.cumsum(lengths, out=cu[1:])
     cpu = torch.from_numpy(cu)
-    return cpu.to(device, non_blocking=True), cpu
+    return to_device(cpu, device), cpu
 
 
 def fla_tree_gated_delta_rule(
@@ -58,11 +59,13 @@ def fla_tree_gated_delta_rule(
             parts = (query, key, value, g, beta)
         else:
             tokens = np.concatenate([np.arange(plan.seg_start[s], plan.seg_end[s]) for s in members])
-            idx = torch.from_numpy(tokens).to(device, non_blocking=True)
+            idx = to_device(torch.from_numpy(tokens), device)
             parts = tuple(x.index_select(0, idx) for x in (query, key, value, g, beta))
         h0 = None
         if depth > 0:
-            h0 = prev_final.index_select(0, torch.from_numpy(final_row[plan.seg_parent[members]]).to(device))
+            h0 = prev_final.index_select(
+                0, to_device(torch.from_numpy(final_row[plan.seg_parent[members]]), device)
+            )
         out, final = chunk_gated_delta_rule(
             *(x[None] for x in parts),
             initial_state=h0,

@@ -67,9 +67,6 @@ class PackedRow:
     support_ids: torch.Tensor | None = field(default=None, kw_only=True)
     multiplicity: torch.Tensor | None = field(default=None, kw_only=True)
     extras: dict[str, Any] = field(default_factory=dict, kw_only=True)
-    host_leave: torch.Tensor | None = field(default=None, kw_only=True, repr=False, compare=False)
-    """The CPU ``leave`` of a row that :meth:`to` moved off the CPU (None on the CPU itself): what the hybrid's
-    recurrence plan is built from (``model/gdn/plan.py``), so its forward never reads ``leave`` back."""
 
     @property
     def attention_mask(self) -> torch.Tensor:
@@ -110,10 +107,8 @@ class PackedRow:
         moved: dict[str, Any] = {
             f.name: move(getattr(self, f.name))
             for f in fields(self)
-            if f.name != "host_leave" and isinstance(getattr(self, f.name), torch.Tensor)
+            if isinstance(getattr(self, f.name), torch.Tensor)
         }
-        host = self.leave if self.leave.device.type == "cpu" else self.host_leave
-        moved["host_leave"] = host if torch.device(device).type != "cpu" else None
         moved["extras"] = {
             name: _map_arrays(extra, torch.Tensor, move) for name, extra in self.extras.items()
         }

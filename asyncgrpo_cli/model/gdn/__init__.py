@@ -8,16 +8,14 @@ PLAN_KWARG = "asyncgrpo_gdn_plan"
 
 
 def recurrence_kwargs(model: Any, row: Any) -> dict[str, Any]:
-    """The decoder keyword arguments a packed ``row`` (a ``PackedRow``) needs for ``model``'s linear-attention
-    layers: the row's recurrence plan (built from its host ``leave`` where it has one) when
-    :func:`~asyncgrpo_cli.model.gdn.layer.install` gave the model packed forwards, else none."""
+    """The decoder keyword arguments a packed ``row`` needs for ``model``'s linear-attention layers: the row's
+    recurrence plan when :func:`~asyncgrpo_cli.model.gdn.layer.install` gave the model packed forwards, else none."""
     taps = getattr(model, "_asyncgrpo_gdn_taps", None)
     if taps is None:
         return {}
     from asyncgrpo_cli.model.gdn.plan import build_plan
 
-    leave = row.leave if row.host_leave is None else row.host_leave  # the host copy: no read-back
-    return {PLAN_KWARG: build_plan(leave, taps, device=row.leave.device)}
+    return {PLAN_KWARG: build_plan(row.leave, taps)}
 
 
 def layer_masks(model: Any, mask: Any) -> Any:

@@ -64,13 +64,15 @@ def build_scheduler(
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip the gradients of ``params`` to a total 2-norm of ``max_norm`` (``inf``: measure only); returns the
     pre-clip norm as a plain tensor on the gradients' device, not read back (module docstring)."""
+    from torch.distributed.tensor import DTensor
+
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
     local = _local_shards(grads)
     if local is None:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
     shards, group = local
     norm = torch.nn.utils.get_total_norm(shards, 2.0)
     if group is not None:  # DTensor's partial 2-norm: x^2, sum over the group, x^(1/2), also on one rank
@@ -96,12 +98,11 @@ def _local_shards(grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any] |
     mesh = dtensors[0].device_mesh
     if mesh.ndim != 1:
         return None
-    shards = []
-    for g in dtensors:
-        local = g.to_local()
-        if g.device_mesh is not mesh or not all(isinstance(pl, Shard) for pl in g.placements):
-            return None
-        if local.device.type != mesh.device_type:
-            return None
-        shards.append(local)
+    if any(
+        g.device_mesh is not mesh or not all(isinstance(pl, Shard) for pl in g.placements) for g in dtensors
+    ):
+        return None
+    shards = [g.to_local() for g in dtensors]
+    if any(t.device.type != mesh.device_type for t in shards):
+        return None
     return shards, mesh.get_group()

@@ -18,12 +18,13 @@ over the W ranks turns the sum over rows into ``coef`` times the mean aux loss o
 No host sync until the step's loss is read: each packed row's ids are checked on the host (the LM head would
 otherwise read a device-side check back in the middle of the forward), rows go to the device with
 ``non_blocking`` copies through pinned memory (from pageable memory such a copy waits until the GPU reaches it:
-``device_copy.py``), and the CPU runs ahead of the GPU, packing the next row while the previous one computes. Once the last backward is queued,
-``optimizer`` (an :class:`OptimizerStep`: the gradient clip, the optimizer and scheduler steps) is queued behind
-it, so the GPU goes from the backward straight into the optimizer instead of idling while the host reads the loss
-and reduces the metrics first; then ``overlap`` runs, before that read: CPU work of the trainer (planning the next
-step, ``StepCollector.prefetch``) that then runs under the GPU's work instead of after it. ``fwd_s`` /
-``fwd_bwd_s`` / ``optimizer_s`` are GPU time on CUDA (events, read after the sync), wall time on CPU.
+``device_copy.py``), and the CPU runs ahead of the GPU, packing the next row while the previous one computes.
+Once the last backward is queued, ``optimizer`` (an :class:`OptimizerStep`: the gradient clip, the optimizer and
+scheduler steps) is queued behind it, so the GPU goes from the backward straight into the optimizer instead of
+idling while the host reads the loss and reduces the metrics first; then ``overlap`` runs, before that read: CPU
+work of the trainer (planning the next step, ``StepCollector.prefetch``) that then runs under the GPU's work
+instead of after it. ``fwd_s`` / ``fwd_bwd_s`` / ``optimizer_s`` are GPU time on CUDA (events, read after the
+sync), wall time on CPU.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 
 from asyncgrpo_cli.config.schema import EmbeddedServerConfig
 from asyncgrpo_cli.rollout.client import CompletionClient, SamplingParams, ServerRequestError
-from asyncgrpo_cli.rollout.resync import LOST, OK, RESYNC, ServerLink, ServerWatch
+from asyncgrpo_cli.rollout.resync import LOST, OK, RESYNC, ServerLink, ServerWatch, settle_when_back
 from asyncgrpo_cli.server.launch import EmbeddedServerProcess
 from tests.helpers.fake_server import DROP, FakeVllmServer, completion_tokens
 
@@ -220,6 +221,55 @@ def test_a_server_without_weight_info_is_resynced():
                 await watch.close()
 
         assert asyncio.run(run()) == RESYNC
+
+
+# -- the end of a run: the rollout process has finished, the trainer probes the server itself ------------------
+def pushing_resync(srv: FakeVllmServer, link: ServerLink, version: str, pushes: list[int]):
+    """The trainer's side (``Trainer.resync_weights_if_needed``): push only when the link asks for it."""
+
+    def resync() -> None:
+        token = link.resync_token()
+        if token is None:
+            return
+        srv.weight_version = version
+        pushes.append(token)
+        assert link.finish_resync(token)
+
+    return resync
+
+
+def test_a_push_still_owed_when_training_ends_is_made_once_the_server_is_back():
+    srv = FakeVllmServer().start()
+    srv.stop()  # down at the last scheduled sync: the trainer's push failed and marked the link lost
+    link = ServerLink()
+    link.mark_lost()
+    pushes: list[int] = []
+    restart = threading.Timer(1.0, srv.start)
+    restart.start()
+    try:
+        t0 = time.monotonic()
+        assert settle_when_back(
+            link, srv.base_url, pushing_resync(srv, link, "v9", pushes), lambda: link.healthy, 30, poll_s=0.05
+        )
+        assert time.monotonic() - t0 >= 1.0  # it waited for the server
+        assert pushes == [1] and srv.weight_version == "v9" and link.healthy
+    finally:
+        restart.join()
+        srv.stop()
+
+
+def test_a_server_down_at_the_end_costs_the_timeout_and_no_push():
+    srv = FakeVllmServer().start()
+    srv.stop()
+    link = ServerLink()
+    link.mark_lost()
+    pushes: list[int] = []
+    t0 = time.monotonic()
+    settled = settle_when_back(
+        link, srv.base_url, pushing_resync(srv, link, "v9", pushes), lambda: link.healthy, 1.0, poll_s=0.05
+    )
+    assert not settled and pushes == [] and link.lost
+    assert 1.0 <= time.monotonic() - t0 < 10
 
 
 # -- a real run: kill the server mid-run and start it again on the same port ----------------------------------

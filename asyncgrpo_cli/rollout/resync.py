@@ -20,7 +20,9 @@ freshly started vLLM or embedded server says) or the route is missing. ``RESYNC`
 push, only if no new loss happened meanwhile (the ``losses`` token), so a second crash during the push is never
 cleared by mistake. Every wait is bounded by ``server.timeout``: a request's by the client's retry budget, and
 an idle loop's (no request in flight: a trainer push found the loss) by admission (``rollout/admission.py``), which
-fails the rollout process once the link has not been OK for that long.
+fails the rollout process once the link has not been OK for that long. A push still owed when training ends (the
+rollout process had finished, so nothing watched the server) is made by the trainer itself: it probes the server
+(``settle_when_back``) for up to ``server.timeout`` after the final checkpoint, so the server ends on the last version.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import asyncio
 import logging
 import multiprocessing as mp
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -172,6 +175,37 @@ class ServerWatch:
         except (ValueError, AttributeError):
             return False
         return version not in (None, "", DEFAULT_WEIGHT_VERSION)
+
+
+def settle_when_back(
+    link: ServerLink,
+    base_url: str,
+    resync: Callable[[], None],
+    settled: Callable[[], bool],
+    timeout_s: float,
+    poll_s: float = 0.5,
+) -> bool:
+    """Blocking, for the trainer once training has ended and the rollout process no longer watches the server:
+    probe a LOST server (``ServerWatch.check_once``) until it answers, call ``resync`` (the trainer's push when
+    the link asks for one) until ``settled()``. False when ``timeout_s`` passes first."""
+
+    async def probe() -> None:
+        watch = ServerWatch(link, base_url, timeout_s=min(5.0, max(timeout_s, 0.1)))
+        try:
+            await watch.check_once()
+        finally:
+            await watch.close()
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if link.lost:
+            asyncio.run(probe())
+        resync()
+        if settled():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
 
 
 def server_unreachable(exc: BaseException) -> bool:

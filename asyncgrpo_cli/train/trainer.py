@@ -19,7 +19,7 @@ import torch
 
 from asyncgrpo_cli.config.schema import RootConfig
 from asyncgrpo_cli.metrics.reducer import MetricWindow
-from asyncgrpo_cli.rollout.resync import server_unreachable
+from asyncgrpo_cli.rollout.resync import server_unreachable, settle_when_back
 from asyncgrpo_cli.train.batching import StepBatch, StepCollector
 from asyncgrpo_cli.train.checkpoint import TrainerState, data_identity, save_checkpoint
 from asyncgrpo_cli.train.compile import compile_meter
@@ -112,6 +112,8 @@ class Trainer:
         if cfg.trainer.save_final and self._last_save_step != p.state.step and p.state.step > 0:
             self.save()
         if self.info.is_main:
+            if p.rollout is not None:
+                self._publish_owed_weights()
             self._flush_logs(force=True)
         return p.state
 
@@ -250,6 +252,7 @@ class Trainer:
         in lockstep) but it is not published; ``resync_weights_if_needed`` pushes once the server is back."""
         try:
             self.sync_weights()
+            self._push_owed = False  # this push reached the server: nothing older is owed
         except Exception as e:
             if not server_unreachable(e) or self.p.rollout is None:
                 raise
@@ -292,6 +295,38 @@ class Trainer:
         link.finish_resync(token)
         self.window.add("perf/weight_resync_count", 1)
         logger.warning("pushed weights v%d again to the generation server", p.state.model_version)
+
+    def _publish_owed_weights(self) -> None:
+        """Rank 0, after the final checkpoint: a push the server missed (it was down at a scheduled sync, or came
+        back without the weights once the rollout process had finished and stopped watching it) is made as soon
+        as the server answers again, within ``server.timeout``; a server that stays down costs that wait and a
+        warning, never the run (its weights are in the checkpoint)."""
+        p = self.p
+        link = p.rollout.server_link
+        if link.healthy and not self._push_owed:
+            return
+        if p.weight_sync.repush is None and self.info.world_size > 1:
+            logger.warning(
+                "the generation server does not hold the final weights v%d (it was lost at the last sync) and "
+                "%s cannot re-send them from rank 0 alone; they are in the final checkpoint",
+                p.state.model_version,
+                type(p.weight_sync).__name__,
+            )
+            return
+        timeout = self.cfg.server.timeout
+        if not settle_when_back(
+            link,
+            p.rollout.spec.settings.base_url,
+            self.resync_weights_if_needed,
+            lambda: link.healthy and not self._push_owed,
+            timeout,
+        ):
+            logger.warning(
+                "the generation server did not come back within server.timeout=%.0fs after training ended: it "
+                "does not serve the final weights v%d (they are in the final checkpoint)",
+                timeout,
+                p.state.model_version,
+            )
 
     # ------------------------------------------------------------------ metrics (rank 0)
     def _record_compile(self, step_s: float) -> None:

@@ -171,6 +171,27 @@ def test_chunk_schedule_follows_paths_not_the_row():
     assert [i.tolist() for i in plan.level_inputs] == [[0], [0], [0, 0]]
 
 
+def test_a_moved_row_plans_from_its_host_leave_without_reading_the_device():
+    """``PackedRow.to`` keeps the CPU ``leave``; the plan is built from it with its tensors on the row's device
+    (``meta`` here: reading the moved ``leave`` would raise), the same plan as from the row on the CPU."""
+    from types import SimpleNamespace
+
+    from asyncgrpo_cli.model.gdn import PLAN_KWARG, recurrence_kwargs
+
+    row = TreePacker(PackingConfig()).pack(branching_samples())
+    assert row.host_leave is None
+    moved = row.to("meta", non_blocking=True)
+    assert moved.leave.is_meta and moved.host_leave is row.leave
+    assert row.to("cpu").host_leave is None
+    model = SimpleNamespace(_asyncgrpo_gdn_taps=4)
+    want, got = (recurrence_kwargs(model, r)[PLAN_KWARG] for r in (row, moved))
+    assert got.ancestors.is_meta and got.grid_index.is_meta
+    for name in ("seg_start", "seg_end", "seg_parent"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+    assert [m.tolist() for m in got.segment_levels] == [m.tolist() for m in want.segment_levels]
+    assert got.ancestors.shape == want.ancestors.shape and got.num_chunks == want.num_chunks
+
+
 # ---- the pieces against transformers ---------------------------------------------------------------------------
 
 

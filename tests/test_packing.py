@@ -88,9 +88,10 @@ def test_to_device_moves_every_tensor(non_blocking):
     row = pack([sample([1, 2, 3], [0, 1, 1], [0, -1, -1], topk_ids=[[1], [2]], topk_lps=[[-1], [-2]])]).to(
         "meta", non_blocking=non_blocking
     )
-    tensors = [v for v in vars(row).values() if isinstance(v, torch.Tensor)]
+    tensors = [v for k, v in vars(row).items() if isinstance(v, torch.Tensor) and k != "host_leave"]
     tensors += [v for v in vars(row.extras[SAMPLER_TOPK]).values() if isinstance(v, torch.Tensor)]
     assert len(tensors) == 11 and all(t.device.type == "meta" for t in tensors)
+    assert row.host_leave.device.type == "cpu" and row.host_leave.tolist() == [3, 3, 3]  # kept for the plan
     assert (row.num_forwarded, row.num_trained, row.num_samples) == (3, 2, 1)
 
 

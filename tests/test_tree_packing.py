@@ -178,7 +178,9 @@ def test_shared_prompt_counts_once():
 def test_row_moves_with_its_tree_and_rejects_bad_input():
     row = pack([sample([1, 2, 3], trained_from=1), sample([1, 2, 4], trained_from=1)]).to("meta")
     assert isinstance(row, TreeRow)
-    assert all(t.device.type == "meta" for t in vars(row).values() if isinstance(t, torch.Tensor))
+    moved = [t for k, t in vars(row).items() if isinstance(t, torch.Tensor) and k != "host_leave"]
+    assert all(t.device.type == "meta" for t in moved)
+    assert row.host_leave.device.type == "cpu"  # the host copy the hybrid's plan is built from
     assert row.leave.device.type == "meta" and row.num_forwarded == 5  # [1 2] [2 3] [2 4] -> 1 2 3 2 4
     with pytest.raises(ValueError, match="empty row"):
         pack([])

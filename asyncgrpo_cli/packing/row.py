@@ -68,6 +68,11 @@ class PackedRow:
     multiplicity: torch.Tensor | None = field(default=None, kw_only=True)
     extras: dict[str, Any] = field(default_factory=dict, kw_only=True)
 
+    host_leave = None
+    """Not a field (rows compare and copy without it): on a row that :meth:`to` moved off the CPU, the CPU tensor
+    ``leave`` came from, so the hybrid's recurrence plan (``model/gdn/plan.py``) is built without reading
+    ``leave`` back from the device. None elsewhere."""
+
     @property
     def attention_mask(self) -> torch.Tensor:
         """bool [1, 1, T, T], True = query may attend to key: built from ``leave`` on each access (T² bytes)."""
@@ -112,7 +117,10 @@ class PackedRow:
         moved["extras"] = {
             name: _map_arrays(extra, torch.Tensor, move) for name, extra in self.extras.items()
         }
-        return replace(self, **moved)
+        out = replace(self, **moved)
+        if torch.device(device).type != "cpu":
+            out.host_leave = self.leave if self.leave.device.type == "cpu" else self.host_leave
+        return out
 
 
 def _map_arrays(extra: Any, kind: type, fn: Callable[[Any], Any]) -> Any:

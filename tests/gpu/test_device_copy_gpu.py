@@ -64,3 +64,29 @@ def test_to_device_leaves_what_is_not_a_host_to_gpu_copy_to_torch():
     assert torch.equal(to_device(on_gpu, "cpu"), torch.arange(5))
     pinned = torch.arange(5).pin_memory()
     assert torch.equal(to_device(pinned, cuda).cpu(), pinned)
+
+
+def test_the_hybrid_plan_of_a_moved_row_never_syncs():
+    """The gated-DeltaNet recurrence plan of a row on the GPU is built from the row's host ``leave`` and sent
+    through pinned memory: no synchronizing CUDA call (before, it read ``leave`` back from the device)."""
+    from types import SimpleNamespace
+
+    from asyncgrpo_cli.model.gdn import PLAN_KWARG, recurrence_kwargs
+    from tests.gpu.test_flex_gpu import groups
+
+    cuda = torch.device("cuda", 0)
+    row = TreePacker(PackingConfig()).pack(
+        groups(np.random.default_rng(1), 2, forks=4, prompt=100, completion=50)
+    )
+    want = recurrence_kwargs(SimpleNamespace(_asyncgrpo_gdn_taps=4), row)[PLAN_KWARG]
+    moved = row.to(cuda, non_blocking=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = recurrence_kwargs(SimpleNamespace(_asyncgrpo_gdn_taps=4), moved)[PLAN_KWARG]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got.ancestors.is_cuda
+    assert torch.equal(got.ancestors.cpu(), want.ancestors) and torch.equal(
+        got.grid_index.cpu(), want.grid_index
+    )

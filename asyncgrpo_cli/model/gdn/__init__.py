@@ -8,14 +8,17 @@ PLAN_KWARG = "asyncgrpo_gdn_plan"
 
 
 def recurrence_kwargs(model: Any, row: Any) -> dict[str, Any]:
-    """The decoder keyword arguments a packed ``row`` needs for ``model``'s linear-attention layers: the row's
-    recurrence plan when :func:`~asyncgrpo_cli.model.gdn.layer.install` gave the model packed forwards, else none."""
+    """The decoder keyword arguments a packed ``row`` (a ``PackedRow``) needs for ``model``'s linear-attention
+    layers: the row's recurrence plan when :func:`~asyncgrpo_cli.model.gdn.layer.install` gave the model packed
+    forwards, else none. The plan is built from the row's host ``leave`` where it has one (``PackedRow.host_leave``:
+    no read-back of the device's copy, so the host keeps running ahead of the GPU)."""
     taps = getattr(model, "_asyncgrpo_gdn_taps", None)
     if taps is None:
         return {}
     from asyncgrpo_cli.model.gdn.plan import build_plan
 
-    return {PLAN_KWARG: build_plan(row.leave, taps)}
+    host = row.host_leave
+    return {PLAN_KWARG: build_plan(row.leave if host is None else host, taps, device=row.leave.device)}
 
 
 def layer_masks(model: Any, mask: Any) -> Any:

@@ -81,9 +81,12 @@ def segments(leave: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return start.astype(np.int64), end.astype(np.int64), parent
 
 
-def build_plan(leave: torch.Tensor, conv_taps: int, chunk: int = CHUNK) -> RecurrencePlan:
-    """The :class:`RecurrencePlan` of a row with DFS intervals ``leave`` (int64 [T]) for a conv of ``conv_taps``."""
-    device = leave.device
+def build_plan(
+    leave: torch.Tensor, conv_taps: int, chunk: int = CHUNK, device: torch.device | None = None
+) -> RecurrencePlan:
+    """The :class:`RecurrencePlan` of a row with DFS intervals ``leave`` (int64 [T]) for a conv of ``conv_taps``,
+    its tensors on ``device`` (default: ``leave``'s; a CPU ``leave`` for a GPU row spares the read-back)."""
+    device = leave.device if device is None else device
     lv = leave.detach().cpu().numpy().astype(np.int64)
     n = int(lv.shape[0])
     start, end, parent = segments(lv)

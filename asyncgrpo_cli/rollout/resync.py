@@ -190,7 +190,7 @@ def settle_when_back(
     the link asks for one) until ``settled()``. False when ``timeout_s`` passes first."""
 
     async def probe() -> None:
-        watch = ServerWatch(link, base_url, timeout_s=min(5.0, max(timeout_s, 0.1)))
+        watch = ServerWatch(link, base_url)
         try:
             await watch.check_once()
         finally:

@@ -247,6 +247,7 @@ def _gather_extras(samples: Sequence[TrainingSequence], trained: np.ndarray) -> 
 def gather_loss_terms(
     samples: Sequence[TrainingSequence],
     packed_positions: Sequence[np.ndarray] | np.ndarray | Callable[[np.ndarray], np.ndarray],
+    input_ids: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """Per-trained-token loss terms of ``samples``.
 
@@ -255,8 +256,9 @@ def gather_loss_terms(
     the predecessors of trained tokens are looked up). For each trained token ``t`` (``train_mask[t]``, t >= 1):
     ``pred_index = packed_positions[s][t - 1]``, ``target_ids = input_ids[t]``, plus the sample's sampler
     log-prob, advantage, index, candidate set (``support_ids``) and token extras (``extras``, by name). Returns the
-    ``PackedRow`` loss fields. The row's arrays are concatenated once and indexed by the flat trained positions,
-    so the cost is a few array operations per row plus attribute reads per sample.
+    ``PackedRow`` loss fields. ``input_ids``: the samples' ids one after another, when the packer has them
+    already (then not concatenated again). The row's arrays are concatenated once and indexed by the flat
+    trained positions, so the cost is a few array operations per row plus attribute reads per sample.
     """
     n = len(samples)
     lengths = np.fromiter((s.input_ids.shape[0] for s in samples), dtype=np.int64, count=n)
@@ -285,7 +287,9 @@ def gather_loss_terms(
         adv = np.array([s.advantage for s in samples])
         terms = {
             "pred_index": pred,
-            "target_ids": np.concatenate([s.input_ids for s in samples])[flat],
+            "target_ids": (
+                np.concatenate([s.input_ids for s in samples]) if input_ids is None else input_ids
+            )[flat],
             "sampler_logprobs": np.concatenate([s.sampler_logprobs for s in samples])[flat],
             "advantages": np.repeat(adv, trained),
             "sample_index": owner,

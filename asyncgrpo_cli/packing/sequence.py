@@ -56,7 +56,7 @@ class SequencePacker:
         total = int(ends[-1])
         positions = np.arange(total) - np.repeat(ends - lengths, lengths)
         input_ids = np.concatenate([s.input_ids for s in samples]).astype(np.int64, copy=False)
-        terms = gather_loss_terms(samples, _same)  # a flat token index is its packed position
+        terms = gather_loss_terms(samples, _same, input_ids)  # a flat token index is its packed position
         return PackedRow(
             input_ids=torch.from_numpy(input_ids)[None],
             position_ids=torch.from_numpy(positions)[None],

@@ -54,9 +54,9 @@ class TreeLayout:
     ``input_ids`` / ``position_ids`` int64 [T]; ``segment_offsets`` int64 [S + 1] and ``segment_parents`` int64
     [S] (pre-order forest, see ``packing/attention.py``); ``leave`` int64 [T] (DFS interval end of each key);
     ``sample_offsets`` int64 [n + 1]: sample ``s`` is flat tokens [sample_offsets[s], sample_offsets[s + 1]) of
-    the samples laid one after another. Where each flat token sits in the row is kept as path pieces
-    (``piece_start`` / ``piece_shift``, see ``tree_arrays.path_pieces``): :meth:`locate` maps any flat tokens,
-    :attr:`positions` all of them.
+    the samples laid one after another, whose ids are ``flat_ids`` int64 [Σ L]. Where each flat token sits in
+    the row is kept as path pieces (``piece_start`` / ``piece_shift``, see ``tree_arrays.path_pieces``):
+    :meth:`locate` maps any flat tokens, :attr:`positions` all of them.
     """
 
     input_ids: np.ndarray
@@ -65,6 +65,7 @@ class TreeLayout:
     segment_parents: np.ndarray
     leave: np.ndarray
     sample_offsets: np.ndarray
+    flat_ids: np.ndarray
     piece_start: np.ndarray
     piece_shift: np.ndarray
 
@@ -175,6 +176,7 @@ def tree_layout(samples: Sequence[TrainingSequence], share_across_groups: bool =
         segment_parents=seg_parents,
         leave=token_leave(offsets, seg_parents),
         sample_offsets=np.concatenate([[0], ends]).astype(np.int64),
+        flat_ids=cat,
         piece_start=piece_start,
         piece_shift=piece_shift,
     )
@@ -218,7 +220,7 @@ class TreePacker:
     def pack(self, samples: Sequence[TrainingSequence]) -> TreeRow:
         """The packed row of ``samples`` (at least one, each non-empty)."""
         layout = tree_layout(samples, self.share_across_groups)
-        terms = gather_loss_terms(samples, layout.locate)
+        terms = gather_loss_terms(samples, layout.locate, layout.flat_ids)
         return TreeRow(
             input_ids=torch.from_numpy(layout.input_ids)[None],
             position_ids=torch.from_numpy(layout.position_ids)[None],

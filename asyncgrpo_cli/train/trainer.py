@@ -224,8 +224,12 @@ class Trainer:
 
     def sync_weights(self) -> None:
         """Every rank gathers; rank 0 writes and drives the server, then publishes the new policy version."""
+        self._push(self.p.state.model_version + 1)
+
+    def _push(self, version: int) -> None:
+        """Push the model's weights as ``version`` (verified when ``server.verify_sync``), then publish it: the
+        scheduled sync's next version, or a resync's current one (the weights have not changed since it)."""
         p = self.p
-        version = p.state.model_version + 1
         timings = p.weight_sync.push(p.model, version)
         if self.cfg.server.verify_sync:  # the server now serves these weights, or the run stops here
             from asyncgrpo_cli.sync.verify import verify_weight_sync
@@ -277,7 +281,7 @@ class Trainer:
                     self.window.add(name, value)
                 p.rollout.set_model_version(p.state.model_version)
             elif self.info.world_size == 1:
-                self.sync_weights()
+                self._push(p.state.model_version)  # the same weights under the same version, as repush does
             else:
                 raise RuntimeError(
                     "the generation server lost the trained weights (restart) or a weight push did not reach it, "

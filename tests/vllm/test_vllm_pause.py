@@ -20,7 +20,24 @@ from tests.vllm.common import NAME, PROMPT
 pytestmark = pytest.mark.vllm
 
 
+ATTEMPTS = 3
+"""Rounds to try before failing: on a busy 2-core machine the CPU engine was seen to finish all n requests (4,000
+tokens each) before ``/pause`` took effect; such a round tests nothing and is run again."""
+
+
 def test_pause_keep_freezes_requests_in_flight_and_resume_finishes_them(backend, client):
+    rounds: list[list] = []  # the results of each round that tested nothing
+    for _ in range(ATTEMPTS):
+        finished_first = pause_round(backend, client)
+        if finished_first is None:
+            return
+        rounds.append(finished_first)
+    pytest.fail(f"every request finished before the pause took effect, in all {ATTEMPTS} rounds: {rounds}")
+
+
+def pause_round(backend, client) -> list | None:
+    """One round: n streamed requests, a pause once one streams, checks while paused, resume, checks after. None
+    when the round tested the pause; the results when every request had finished before it took effect."""
     control = backend.control
     n, max_tokens = 4, 4000
     started = threading.Semaphore(0)
@@ -64,18 +81,20 @@ def test_pause_keep_freezes_requests_in_flight_and_resume_finishes_them(backend,
     # the others started), so "all n in flight" is not something to wait for; queued ones are frozen as well.
     assert started.acquire(timeout=180), "no request started"
     assert not errors and not results, (errors, results)  # in flight, none finished
+    t_pause = time.monotonic()
     control.pause(mode="keep")
+    pause_s = time.monotonic() - t_pause
     try:
         assert client.get("/is_paused").json() == {"is_paused": True}
         time.sleep(1.0)  # chunks generated before the pause may still be on their way
         frozen, finished_before = list(chunks), len(results)
         # The CPU engine can finish short requests between the first streamed chunk and the pause: those count
         # as finished before it; every other one must be frozen (no chunk, no finish, no abort) while paused.
-        assert finished_before < n, f"every request finished before the pause took effect: {results}"
-        time.sleep(2.0)
-        assert chunks == frozen, f"tokens streamed while paused: {frozen} -> {chunks}"
-        assert len(results) == finished_before and not errors, (results, errors)  # frozen, not aborted
-        assert sum(t.is_alive() for t in threads) == n - finished_before
+        if finished_before < n:
+            time.sleep(2.0)
+            assert chunks == frozen, f"tokens streamed while paused: {frozen} -> {chunks}"
+            assert len(results) == finished_before and not errors, (results, errors)  # frozen, not aborted
+            assert sum(t.is_alive() for t in threads) == n - finished_before
     finally:
         control.resume()
     assert client.get("/is_paused").json() == {"is_paused": False}
@@ -83,3 +102,4 @@ def test_pause_keep_freezes_requests_in_flight_and_resume_finishes_them(backend,
         t.join(timeout=240)
     assert not errors and len(results) == n, (errors, results)
     assert all(r == ("length", max_tokens) for r in results), results
+    return None if finished_before < n else [f"/pause took {pause_s:.1f}s", *results]

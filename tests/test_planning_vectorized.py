@@ -476,3 +476,46 @@ def test_bench_planning_prints_every_case(capsys):
         parse_options(["budget=4"])
     with pytest.raises(UserError, match="repeats='x' is not an integer"):
         parse_options(["repeats=x"])
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["row_trie", "group_tries"])
+def test_planned_rows_carry_the_placements_the_packer_would_compute(share):
+    """A tree planner's rows are PlannedRows whose placements (from its tries) are what the packer computes for
+    the same samples as a plain list; packing either gives the same row, field by field, and so does a planned
+    row after pickling (the scatter to other ranks). Placements made under other rules, or for other lengths,
+    are not used."""
+    import pickle
+
+    from asyncgrpo_cli.packing.tree import tree_layout
+    from asyncgrpo_cli.packing.trie import PlannedRow
+
+    rng = np.random.default_rng(31 + share)
+    packer = TreePacker(PackingConfig(share_across_groups=share))
+    planner_cls = TreeBudgetPlanner if share else GroupTreeBudgetPlanner
+    planned = 0
+    for trial in range(12):
+        shape = SHAPES[list(SHAPES)[trial % 3]]
+        system = rng.integers(0, shape["vocab"], size=int(rng.choice([0, 1, 12])))
+        samples = with_system_prompt(
+            random_step(rng, int(rng.integers(1, 120)), extras=False, **shape), system
+        )
+        batches, _ = plan_all(planner_cls(int(rng.choice([64, 300, 4096])), int(rng.integers(1, 4))), samples)
+        for mb in batches:
+            for r, row in enumerate(mb.rows):
+                if r in mb.filler_ranks:
+                    assert type(row) is list
+                    continue
+                assert isinstance(row, PlannedRow)
+                assert row.placements_for(np.array([len(s) for s in row]), not share) is None
+                plain = list(row)
+                assert_same(tree_layout(row, share), tree_layout(plain, share), f"row {r}")
+                assert_same(packer.pack(row), packer.pack(plain), f"row {r}")
+                copy = pickle.loads(pickle.dumps(row))
+                assert isinstance(copy, PlannedRow) and np.array_equal(copy.own_from, row.own_from)
+                assert_same(packer.pack(copy), packer.pack(plain), f"row {r}, pickled")
+                planned += 1
+    assert planned > 20
+    # Placements that do not describe the row (other lengths) are ignored, not trusted.
+    a, b = random_step(rng, 2, extras=False, **SHAPES["grpo"])[:2]
+    wrong = PlannedRow([a, b], np.array([-1, 0]), np.array([0, 0]), np.array([len(a), len(b) + 1]), share)
+    assert_same(tree_layout(wrong, share), tree_layout([a, b], share), "mismatched lengths")

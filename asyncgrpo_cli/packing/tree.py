@@ -43,7 +43,7 @@ from asyncgrpo_cli.config.schema import PackingConfig
 from asyncgrpo_cli.packing.attention import token_leave
 from asyncgrpo_cli.packing.row import PackedRow, gather_loss_terms
 from asyncgrpo_cli.packing.tree_arrays import owners, path_pieces, placements, preorder
-from asyncgrpo_cli.packing.trie import group_key
+from asyncgrpo_cli.packing.trie import PlannedRow, group_key
 from asyncgrpo_cli.samples import TrainingSequence
 
 
@@ -122,7 +122,9 @@ def _check_ids(samples: Sequence[TrainingSequence]) -> tuple[list[np.ndarray], n
 
 def tree_layout(samples: Sequence[TrainingSequence], share_across_groups: bool = True) -> TreeLayout:
     """The :class:`TreeLayout` of one row's samples (at least one, each non-empty; token ids >= 0): one trie per
-    row (``share_across_groups``) or per group.
+    row (``share_across_groups``) or per group. A :class:`~asyncgrpo_cli.packing.trie.PlannedRow` (a row as the
+    tree planner emitted it) brings its samples' placements under those rules; for any other sequence they are
+    computed here, to the same values.
 
     Array operations over the whole row (``packing/tree_arrays.py``): each sample's placement (parent sample and
     first own depth), its chunk's anchor, the depth-first order of the chunks, then every token's packed position
@@ -137,7 +139,10 @@ def tree_layout(samples: Sequence[TrainingSequence], share_across_groups: bool =
     starts = ends - lengths
     first: dict[Hashable, int] = {}
     group = np.array([first.setdefault(group_key(s), len(first)) for s in samples], dtype=np.int64)
-    if share_across_groups:
+    placed = samples.placements_for(lengths, share_across_groups) if isinstance(samples, PlannedRow) else None
+    if placed is not None:
+        parent, own_from = placed
+    elif share_across_groups:
         trie = np.unique(cat[starts], return_inverse=True)[1].astype(np.int64, copy=False).reshape(-1)
         parent, own_from = placements(cat, starts, lengths, trie, group)
     else:

@@ -49,7 +49,7 @@ from collections.abc import Hashable
 import numpy as np
 
 from asyncgrpo_cli.packing.planner import MicroBatch, context_only
-from asyncgrpo_cli.packing.trie import Attachment, GroupTrie, group_key
+from asyncgrpo_cli.packing.trie import Attachment, GroupTrie, PlannedRow, group_key
 from asyncgrpo_cli.samples import TrainingSequence
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,9 @@ class TreeBudgetPlanner:
     def _reset(self) -> None:
         self._rows: list[list[TrainingSequence]] = [[] for _ in range(self.num_ranks)]
         self._tries: list[dict[Hashable, GroupTrie]] = [{} for _ in range(self.num_ranks)]
+        # One trie per group only: the row index of each trie's samples, in insertion order (with one trie per
+        # row, a trie's insertion order is the row's order).
+        self._members: list[dict[Hashable, list[int]]] = [{} for _ in range(self.num_ranks)]
         self._homes: dict[Hashable, list[int]] = {}  # group -> the ranks holding it, ascending
         self._tokens = [0] * self.num_ranks
         self._trained = [0] * self.num_ranks
@@ -136,6 +139,8 @@ class TreeBudgetPlanner:
             ranks.append(rank)
             ranks.sort()
         own = trie.commit().own_from  # the trie's last probe is this sample's (in this row's rules)
+        if not self.share_across_groups:
+            self._members[rank].setdefault(tkey, []).append(len(self._rows[rank]))
         self._rows[rank].append(sample)
         self._tokens[rank] += length - own
         self._trained[rank] += trained
@@ -226,7 +231,7 @@ class TreeBudgetPlanner:
 
     def _emit(self, rows: list[list[TrainingSequence]], filler_ranks: tuple[int, ...] = ()) -> MicroBatch:
         batch = MicroBatch(
-            rows=rows,
+            rows=[self._planned(r, row) for r, row in enumerate(rows)],
             samples_per_row=np.array([len(row) for row in rows], dtype=np.int64),
             tokens_per_row=np.array(self._tokens, dtype=np.int64),
             trained_per_row=np.array(self._trained, dtype=np.int64),
@@ -236,6 +241,27 @@ class TreeBudgetPlanner:
         )
         self._reset()
         return batch
+
+    def _planned(self, rank: int, row: list[TrainingSequence]) -> list[TrainingSequence]:
+        """``row`` as a :class:`PlannedRow` carrying its tries' placements in row order (the packer's layout then
+        skips computing them); a filler row (no trie) stays a plain list."""
+        tries = self._tries[rank]
+        if not tries:
+            return row
+        if self.share_across_groups:
+            (trie,) = tries.values()
+            parents, own_from, lengths = (
+                np.array(x, dtype=np.int64) for x in (trie.parents, trie.own_from, trie.lengths)
+            )
+        else:
+            n = len(row)
+            parents, own_from, lengths = (np.empty(n, dtype=np.int64) for _ in range(3))
+            for key, trie in tries.items():
+                at = np.array(self._members[rank][key], dtype=np.int64)
+                local = np.array(trie.parents, dtype=np.int64)  # indices into ``at``
+                parents[at] = np.where(local >= 0, at[np.maximum(local, 0)], -1)
+                own_from[at], lengths[at] = trie.own_from, trie.lengths
+        return PlannedRow(row, parents, own_from, lengths, self.share_across_groups)
 
 
 class GroupTreeBudgetPlanner(TreeBudgetPlanner):

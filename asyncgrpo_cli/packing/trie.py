@@ -54,6 +54,44 @@ def trie_key(ids: Any) -> bytes:
     return np.asarray(ids, dtype=np.int64).tobytes()
 
 
+class PlannedRow(list):
+    """A row of samples as the tree planner emitted it: a plain list to every consumer, that also carries the
+    placements its trie(s) gave the samples, so the tree packer lays the row out without computing them again
+    (``tree_arrays.placements`` is about half of packing a row).
+
+    ``parents`` / ``own_from``: int64 [n] in row order (a parent is a row index, -1: none), exactly what inserting
+    each trie's samples in row order into a :class:`GroupTrie` gives; ``lengths`` int64 [n]: the samples' lengths
+    when planned; ``share_across_groups``: one trie for the row (True) or one per group. Made by the planner only
+    when it emits a micro-batch, never mutated afterwards; the packer uses the placements only for the rules they
+    were made under and when the row still holds n samples of those lengths (else it computes them).
+    """
+
+    __slots__ = ("parents", "own_from", "lengths", "share_across_groups")
+
+    def __init__(
+        self,
+        samples: list,
+        parents: np.ndarray,
+        own_from: np.ndarray,
+        lengths: np.ndarray,
+        share_across_groups: bool,
+    ) -> None:
+        super().__init__(samples)
+        self.parents, self.own_from, self.lengths = parents, own_from, lengths
+        self.share_across_groups = share_across_groups
+
+    def __reduce__(self) -> tuple:  # to the other ranks with the placements (a list subclass pickles without)
+        return (PlannedRow, (list(self), self.parents, self.own_from, self.lengths, self.share_across_groups))
+
+    def placements_for(
+        self, lengths: np.ndarray, share_across_groups: bool
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """(parents, own_from) when they describe a row of these ``lengths`` under these rules, else None."""
+        if share_across_groups != self.share_across_groups or not np.array_equal(lengths, self.lengths):
+            return None
+        return self.parents, self.own_from
+
+
 class Attachment(NamedTuple):
     """Where a new sample goes in a trie, and what it adds (a named tuple: built once per probe, and a
     frozen dataclass costs ~1 us to build).

@@ -89,12 +89,14 @@ class TreeLayout:
         """int64 [T]: how many samples have each packed position on their path (``PackedRow.multiplicity``).
 
         A sample's path is its last token's root-to-token path, and position ``p``'s subtree is the DFS interval
-        ``[p, leave[p])``, so the count is the number of samples whose last token lies in it: two binary searches
-        over the n sorted last positions (O(T log n), not O(Σ L)).
+        ``[p, leave[p])``, so the count is the number of samples whose last token lies in it: with ``below[x]``
+        the number of last tokens before position x (a cumulative count), ``below[leave[p]] - below[p]`` (O(T + n),
+        not O(Σ L)).
         """
-        last = np.sort(self.locate(self.sample_offsets[1:] - 1))
-        below = np.searchsorted(last, np.arange(self.num_tokens, dtype=np.int64), side="left")
-        return (np.searchsorted(last, self.leave, side="left") - below).astype(np.int64, copy=False)
+        last = self.locate(self.sample_offsets[1:] - 1)
+        below = np.zeros(self.num_tokens + 1, dtype=np.int64)
+        np.cumsum(np.bincount(last, minlength=self.num_tokens), out=below[1:])
+        return below[self.leave] - below[:-1]
 
     @property
     def sample_positions(self) -> list[np.ndarray]:

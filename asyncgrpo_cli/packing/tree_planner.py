@@ -14,6 +14,9 @@ their prompts have in common) or one per group (:class:`GroupTreeBudgetPlanner`,
 ``MicroBatch.tokens_per_row`` therefore holds forwarded (unique) tokens and ``attn_cost_per_row`` attention
 pairs (not Σ L²), so ``row_fill_frac`` and ``row_imbalance`` describe the rows as packed.
 
+Each emitted row is a :class:`~asyncgrpo_cli.packing.trie.PlannedRow`: the list of its samples plus the
+placements its tries gave them, which the packer lays the row out from instead of computing them again.
+
 ``token_budget`` bounds both forwarded and trained tokens of every row (bounding only forwarded tokens would
 let a row of identical samples grow without end). What a sample adds to a row (``new``: forwarded tokens,
 ``after``: the row's attention cost with it) is read off a probe of the row's trie, so a row that already holds

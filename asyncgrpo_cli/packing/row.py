@@ -166,27 +166,12 @@ def _support_ids(samples: Sequence[TrainingSequence], trained: np.ndarray) -> to
     return torch.from_numpy(out)
 
 
-def _topk_parts_fit(extras: list[Any], counts: list[int]) -> bool:
-    """True when every part of ``extras`` is there, its ids and log-probs are [n_i, K] arrays of one shape with
-    one K > 0 for the row, and n_i is the sample's trained tokens: the row :func:`_concat_topk` concatenates with
-    no check (three passes over the parts, no Python loop body per sample)."""
-    if any(e is None for e in extras):
-        return False
-    shapes = [e.ids.shape for e in extras]
-    if shapes != [e.logprobs.shape for e in extras] or {len(x) for x in shapes} != {2}:
-        return False
-    return [x[0] for x in shapes] == counts and len({x[1] for x in shapes}) == 1 and shapes[0][1] > 0
-
-
-def _concat_topk(kind: type, extras: list[Any], trained: np.ndarray, checked: bool = False) -> Any:
+def _concat_topk(kind: type, extras: list[Any], trained: np.ndarray) -> Any:
     """``kind.concat`` (``TopK`` or ``TeacherTopK``) of the row's parts, ``kind.empty(n)`` where ``extras[i]`` is
-    None, written into one preallocated [N, K] pair of arrays per width instead of one pair per sample.
-    ``checked``: :func:`_topk_parts_fit` holds (every part, one width), so the parts are not looked at one by one."""
+    None, written into one preallocated [N, K] pair of arrays per width instead of one pair per sample."""
     starts = np.cumsum(trained) - trained
     by_width: dict[int, list[int]] = {}
-    if checked:
-        by_width[extras[0].ids.shape[1]] = list(range(len(extras)))
-    for i, p in enumerate(() if checked else extras):
+    for i, p in enumerate(extras):
         if p is None:
             continue
         shape = p.ids.shape
@@ -241,13 +226,6 @@ def _gather_extras(samples: Sequence[TrainingSequence], trained: np.ndarray) -> 
         extras = [sample.token_extras.get(name) for sample in samples]
         kind = type(next(e for e in extras if e is not None))
         fast = kind in (TopK, TeacherTopK) and all(e is None or type(e) is kind for e in extras)
-        if fast and _topk_parts_fit(
-            extras, counts
-        ):  # the usual row: nothing to report, skip the checks below
-            out[name] = _map_arrays(
-                _concat_topk(kind, extras, trained, checked=True), np.ndarray, _as_tensors
-            )
-            continue
         rows = (None if e is None else e.ids.shape[0] if fast else len(e) for e in extras)
         for i, (m, n) in enumerate(zip(rows, counts, strict=True)):
             if m is not None and m != n:

@@ -78,9 +78,6 @@ class TreeBudgetPlanner:
     def _reset(self) -> None:
         self._rows: list[list[TrainingSequence]] = [[] for _ in range(self.num_ranks)]
         self._tries: list[dict[Hashable, GroupTrie]] = [{} for _ in range(self.num_ranks)]
-        # One trie per group only: the row index of each trie's samples, in insertion order (with one trie per
-        # row, a trie's insertion order is the row's order).
-        self._members: list[dict[Hashable, list[int]]] = [{} for _ in range(self.num_ranks)]
         self._homes: dict[Hashable, list[int]] = {}  # group -> the ranks holding it, ascending
         self._tokens = [0] * self.num_ranks
         self._trained = [0] * self.num_ranks
@@ -142,8 +139,6 @@ class TreeBudgetPlanner:
             ranks.append(rank)
             ranks.sort()
         own = trie.commit().own_from  # the trie's last probe is this sample's (in this row's rules)
-        if not self.share_across_groups:
-            self._members[rank].setdefault(tkey, []).append(len(self._rows[rank]))
         self._rows[rank].append(sample)
         self._tokens[rank] += length - own
         self._trained[rank] += trained
@@ -247,7 +242,9 @@ class TreeBudgetPlanner:
 
     def _planned(self, rank: int, row: list[TrainingSequence]) -> list[TrainingSequence]:
         """``row`` as a :class:`PlannedRow` carrying its tries' placements in row order (the packer's layout then
-        skips computing them); a filler row (no trie) stays a plain list."""
+        skips computing them); a filler row (no trie) stays a plain list. A trie's samples are inserted in row
+        order: with one trie per row its indices are the row's; with one per group, the row indices of the
+        group's samples."""
         tries = self._tries[rank]
         if not tries:
             return row
@@ -259,8 +256,11 @@ class TreeBudgetPlanner:
         else:
             n = len(row)
             parents, own_from, lengths = (np.empty(n, dtype=np.int64) for _ in range(3))
+            members: dict[Hashable, list[int]] = {}
+            for i, sample in enumerate(row):
+                members.setdefault(group_key(sample), []).append(i)
             for key, trie in tries.items():
-                at = np.array(self._members[rank][key], dtype=np.int64)
+                at = np.array(members[key], dtype=np.int64)
                 local = np.array(trie.parents, dtype=np.int64)  # indices into ``at``
                 parents[at] = np.where(local >= 0, at[np.maximum(local, 0)], -1)
                 own_from[at], lengths[at] = trie.own_from, trie.lengths

@@ -57,7 +57,7 @@ def trie_key(ids: Any) -> bytes:
 class PlannedRow(list):
     """A row of samples as the tree planner emitted it: a plain list to every consumer, that also carries the
     placements its trie(s) gave the samples, so the tree packer lays the row out without computing them again
-    (``tree_arrays.placements`` is about half of packing a row).
+    (``tree_arrays.placements``; a row packs 1.1-1.3x faster without it, ``docs/benchmarks.md``).
 
     ``parents`` / ``own_from``: int64 [n] in row order (a parent is a row index, -1: none), exactly what inserting
     each trie's samples in row order into a :class:`GroupTrie` gives; ``lengths`` int64 [n]: the samples' lengths

@@ -18,6 +18,7 @@ and many take the same numerical path.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -28,6 +29,8 @@ import torch.distributed as dist
 
 from asyncgrpo_cli.errors import UserError
 from asyncgrpo_cli.samples import TrainingSequence
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -88,9 +91,20 @@ def _single_process_group(device: torch.device) -> None:
     )
 
 
-def destroy_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def destroy_distributed(synchronize: bool = False) -> None:
+    """Tear the default process group down. ``synchronize``: the run ended normally on every rank, so they meet in
+    a barrier first and destroy together; rank 0 stops the server and the rollout process after the others are
+    done, and a gloo rank that destroyed its group and exited meanwhile was seen (once, in CI) to abort with
+    "terminate called without an active exception". A failed run skips the barrier: a peer may be stuck in a
+    collective, and the launcher stops it once this rank exits."""
+    if not dist.is_initialized():
+        return
+    if synchronize and dist.get_world_size() > 1:
+        try:
+            dist.barrier()
+        except Exception as e:  # the run's work is done and saved: tear down anyway
+            logger.warning("the ranks did not meet before the process group was destroyed: %s", e)
+    dist.destroy_process_group()
 
 
 def decoder_layers(model: Any) -> list[torch.nn.Module]:

@@ -82,7 +82,8 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
     device = pick_device(tr.device)
     with ExitStack() as stack:
         info = init_distributed(device, tr.dist_timeout)
-        stack.callback(destroy_distributed)
+        finished = False  # every rank reached the end: they tear the group down together
+        stack.callback(lambda: destroy_distributed(synchronize=finished))
         run_dir = Path(broadcast_object(str(run_dir), info))  # ranks may have stamped different Hydra dirs
         if info.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -106,6 +107,7 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
                 logger.info(
                     "%s is at step %d: trainer.max_steps=%d is reached", resume.path, state.step, tr.max_steps
                 )
+            finished = True
             return state
         tracker = PromptTracker.from_state(resume.rollout) if resume else PromptTracker()
 
@@ -153,7 +155,9 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
         window = MetricWindow()
         if info.is_main:
             _start_rollout(cfg, run_dir, main, parts, window, stack)
-        return Trainer(cfg, run_dir, parts, window).train()
+        state = Trainer(cfg, run_dir, parts, window).train()
+        finished = True
+        return state
 
 
 def _warn_if_data_changed(resume: Any, cfg: RootConfig) -> None:

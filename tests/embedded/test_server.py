@@ -175,7 +175,7 @@ def test_length_errors_follow_vllm(client):
 
 
 def test_metrics_use_vllm_names(client):
-    complete(client, max_tokens=2)
+    complete(client, max_tokens=2, ignore_eos=True)
     m = metric_values(client)
     labels = f'{{engine="0",model_name="{NAME}"}}'
     for name in (
@@ -226,7 +226,7 @@ def test_pause_keep_freezes_in_flight_requests_until_resume(client):
             }
             assert client.get("/is_paused").json() == {"is_paused": True}
             frozen = metric_values(client)[generated]
-            queued = pool.submit(complete, client, max_tokens=3)  # arrives while paused: queued, not rejected
+            queued = pool.submit(complete, client, max_tokens=3, ignore_eos=True)  # arrives while paused: queued
             time.sleep(0.5)
             assert metric_values(client)[generated] == frozen
             assert not any(f.done() for f in futures) and not queued.done()

@@ -20,6 +20,7 @@ from asyncgrpo_cli.rollout.concurrency import ConcurrencyController
 from asyncgrpo_cli.rollout.loop import AsyncRolloutLoop, RolloutSettings
 from asyncgrpo_cli.rollout.resync import ServerLink, new_link_array
 from asyncgrpo_cli.rollout.rewards import RewardFunction
+from asyncgrpo_cli.sample_batch import QueueReader
 from asyncgrpo_cli.samples import PromptResolved, RolloutDone, TrainingSequence
 from tests.helpers.fake_server import FakeVllmServer
 
@@ -143,6 +144,7 @@ def make_loop(srv: FakeVllmServer, server_timeout: float, total_prompts: int | N
         model_version=value(0),
         token_allowance=value(0),  # nothing consumes: idle once the first group is queued
         consumed_tokens=value(0),
+        samples_put=value(0),
         heartbeat=value(0.0),
         stop_event=threading.Event(),
         server_link=new_link_array(),
@@ -153,10 +155,11 @@ def make_loop(srv: FakeVllmServer, server_timeout: float, total_prompts: int | N
 
 
 def drain(q: queue.Queue) -> list:
-    out = []
+    """Every item queued now, a group's ``SampleBatch`` as its samples (as the trainer's reader takes them)."""
+    reader, out = QueueReader(q), []
     while True:
         try:
-            out.append(q.get_nowait())
+            out.append(reader.get_nowait())
         except queue.Empty:
             return out
 
@@ -178,7 +181,7 @@ def test_a_server_lost_while_idle_fails_the_loop_within_server_timeout():
     async def run() -> float:
         task = asyncio.create_task(loop.run())
         try:
-            await wait_until(lambda: shared.rollout_buffer.qsize() >= 2, 20, "the first group's samples")
+            await wait_until(lambda: shared.rollout_buffer.qsize() >= 1, 20, "the first group's samples")
             await asyncio.sleep(0.3)
             assert srv.requests["/v1/completions"] == 2  # idle: held by the allowance, nothing in flight
             srv.stop()
@@ -207,7 +210,7 @@ def test_a_server_back_within_server_timeout_resumes_the_loop():
     async def run() -> list:
         task = asyncio.create_task(loop.run())
         try:
-            await wait_until(lambda: shared.rollout_buffer.qsize() >= 2, 20, "the first group's samples")
+            await wait_until(lambda: shared.rollout_buffer.qsize() >= 1, 20, "the first group's samples")
             srv.stop()
             link.mark_lost()
             await asyncio.sleep(1.0)

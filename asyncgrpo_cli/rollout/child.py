@@ -35,6 +35,9 @@ class SharedState:
     model_version: Any
     token_allowance: Any
     consumed_tokens: Any
+    samples_put: Any
+    """Samples the rollout process has put on ``rollout_buffer`` (written by it only): the trainer's
+    ``rollout/queue_size`` is this minus the samples it has taken."""
     heartbeat: Any
     failed_event: Any
     stop_event: Any
@@ -53,6 +56,7 @@ class SharedState:
             model_version=ctx.Value("q", 0, lock=False),
             token_allowance=ctx.Value("q", 0, lock=False),
             consumed_tokens=ctx.Value("q", 0, lock=False),
+            samples_put=ctx.Value("q", 0, lock=False),
             heartbeat=ctx.Value("d", time.time(), lock=False),
             failed_event=ctx.Event(),
             stop_event=ctx.Event(),

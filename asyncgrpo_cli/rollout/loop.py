@@ -51,6 +51,7 @@ from asyncgrpo_cli.rollout.scorers import ScoredGroup, ScorerContext
 from asyncgrpo_cli.rollout.sequences import rollout_to_sequences
 from asyncgrpo_cli.rollout.served_name import start_group
 from asyncgrpo_cli.rollout.settings import RolloutSettings
+from asyncgrpo_cli.sample_batch import SampleBatch
 from asyncgrpo_cli.samples import PromptResolved, Rollout, RolloutDone, RolloutGroup, TurnRecord
 
 if TYPE_CHECKING:
@@ -468,7 +469,9 @@ class AsyncRolloutLoop:
         now = time.time()
         for s in scored.samples:
             s.enqueued_at = now
-            self.shared.rollout_buffer.put(s)
+        if scored.samples:  # one message for the group (``sample_batch.py``: ~10x cheaper for the trainer)
+            self.shared.samples_put.value += len(scored.samples)
+            self.shared.rollout_buffer.put(SampleBatch(scored.samples))
         tokens = sum(len(s) for s in scored.samples)
         if tokens == 0:
             self.shared.rollout_buffer.put(

@@ -25,6 +25,7 @@ from asyncgrpo_cli.errors import RolloutWorkerError, UserError
 from asyncgrpo_cli.rollout.child import SharedState, child_entry
 from asyncgrpo_cli.rollout.resync import ServerLink
 from asyncgrpo_cli.rollout.worker import RolloutSpec
+from asyncgrpo_cli.sample_batch import QueueReader
 
 # Environment variables that must not leak into the rollout process (it has no GPU and is not a torch rank).
 _STRIP_ENV = (
@@ -71,6 +72,8 @@ class RolloutProcess:
         self.start_timeout = start_timeout
         self.ctx = mp.get_context("spawn")
         self.shared = SharedState.create(self.ctx)
+        self.reader = QueueReader(self.shared.rollout_buffer)
+        """The rollout queue one item at a time (a group's samples arrive as one ``SampleBatch``)."""
         self.server_link = ServerLink(self.shared.server_link)
         self.process: Any = None
         self.on_idle: Any = None
@@ -115,10 +118,8 @@ class RolloutProcess:
         self.shared.consumed_tokens.value += int(tokens)
 
     def queue_size(self) -> int:
-        try:
-            return self.shared.rollout_buffer.qsize()
-        except NotImplementedError:  # pragma: no cover - macOS
-            return -1
+        """Samples the rollout process has queued that the trainer has not taken yet."""
+        return max(0, int(self.shared.samples_put.value) - self.reader.taken)
 
     def get(self, timeout: float) -> Any:
         """Next item from the rollout queue, or None after ``timeout``; raises if the process failed or hung."""
@@ -126,7 +127,7 @@ class RolloutProcess:
         while True:
             wait = min(QUEUE_POLL_S, max(0.0, deadline - time.monotonic()))
             try:
-                return self.shared.rollout_buffer.get(timeout=wait)
+                return self.reader.get(timeout=wait)
             except queue.Empty:
                 self.check_health()
                 if self.on_idle is not None:
@@ -138,7 +139,7 @@ class RolloutProcess:
         """The next item if one is queued now, else None: never waits and runs no health check or ``on_idle``
         (the step collector drains the queue with it while the trainer's GPU work runs, ``StepCollector.prefetch``)."""
         try:
-            return self.shared.rollout_buffer.get_nowait()
+            return self.reader.get_nowait()
         except queue.Empty:
             return None
 

@@ -51,9 +51,7 @@ def sample(rng: np.random.Generator, i: int, *, extras: dict | None = None, **kw
         train_mask=mask,
         sampler_logprobs=np.where(mask, -rng.random(p + n), 0).astype(np.float32),
         advantage=float(rng.normal()),
-        token_extras={
-            SAMPLER_TOPK: TopK(rng.integers(0, 50, (n, k)), -rng.random((n, k)).astype(np.float32))
-        }
+        token_extras={SAMPLER_TOPK: TopK(rng.integers(0, 50, (n, k)), -rng.random((n, k)).astype(np.float32))}
         if extras is None
         else extras,
         rollout_id=f"r{i}",
@@ -152,7 +150,13 @@ def test_the_reader_hands_out_samples_in_order_between_markers():
     q: queue.Queue = queue.Queue()
     first, second = [sample(rng, i) for i in range(3)], [sample(rng, i) for i in range(2)]
     loose = sample(rng, 9)
-    for item in (SampleBatch(first), PromptResolved(5, "filtered"), loose, SampleBatch([]), SampleBatch(second)):
+    for item in (
+        SampleBatch(first),
+        PromptResolved(5, "filtered"),
+        loose,
+        SampleBatch([]),
+        SampleBatch(second),
+    ):
         q.put(pickle.loads(pickle.dumps(item)))
     q.put(RolloutDone(num_prompts=2))
     reader, got = QueueReader(q), []
@@ -165,7 +169,9 @@ def test_the_reader_hands_out_samples_in_order_between_markers():
     assert [type(x).__name__ for x in got] == ["TrainingSequence"] * 3 + [
         "PromptResolved", "TrainingSequence", "TrainingSequence", "TrainingSequence", "RolloutDone",
     ]  # fmt: skip
-    for a, b in zip([*first, loose, *second], [x for x in got if isinstance(x, TrainingSequence)], strict=True):
+    for a, b in zip(
+        [*first, loose, *second], [x for x in got if isinstance(x, TrainingSequence)], strict=True
+    ):
         assert_same(a, b)
     assert reader.taken == 6
     with pytest.raises(queue.Empty):

@@ -315,11 +315,11 @@ def test_bench_planning_workload_matches_reference():
 
 
 def trie_placements(cat, starts, lengths, trie) -> tuple[np.ndarray, np.ndarray]:
-    """(parent, own_from) by inserting each trie's samples into a GroupTrie in row order."""
-    tries: dict[int, tuple[GroupTrie, list[int]]] = {}
+    """(parent, own_from) by inserting each trie's samples into the reference's GroupTrie in row order."""
+    tries: dict[int, tuple[ref_trie.GroupTrie, list[int]]] = {}
     parent, own_from = np.empty(len(lengths), np.int64), np.empty(len(lengths), np.int64)
     for i, (g, s, n) in enumerate(zip(trie.tolist(), starts.tolist(), lengths.tolist(), strict=True)):
-        t, members = tries.setdefault(g, (GroupTrie(), []))
+        t, members = tries.setdefault(g, (ref_trie.GroupTrie(), []))
         att = t.insert(cat[s : s + n])
         parent[i] = members[att.parent] if att.parent >= 0 else -1
         own_from[i] = att.own_from
@@ -329,10 +329,10 @@ def trie_placements(cat, starts, lengths, trie) -> tuple[np.ndarray, np.ndarray]
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_placements_equal_trie_insertion(shape):
-    """The array placements (sorted order, sparse tables) are the tries' own, sample by sample: one trie per
-    group, one per row, one per first token, and tries cutting across groups at random; groups interleaved,
+    """A row's placements inserted in one compiled call are the reference tries' own, sample by sample: one trie
+    per group, one per row, one per first token, and tries cutting across groups at random; groups interleaved,
     sharing across groups by chance."""
-    from asyncgrpo_cli.packing.tree_arrays import placements
+    from asyncgrpo_cli.packing.trie import placements
 
     rng = np.random.default_rng(20 + list(SHAPES).index(shape))
     for _ in range(60):
@@ -344,16 +344,9 @@ def test_placements_equal_trie_insertion(shape):
         group = np.array([first.setdefault(s.group_id, len(first)) for s in samples], dtype=np.int64)
         by_token = np.unique(cat[starts], return_inverse=True)[1].reshape(-1).astype(np.int64)
         scattered = np.unique(rng.integers(0, 3, size=len(ids)), return_inverse=True)[1].reshape(-1)
-        for trie, known in (
-            (group, None),
-            (np.zeros_like(group), group),
-            (by_token, group),
-            (scattered, group),
-        ):
-            got, want = (
-                placements(cat, starts, lengths, trie, known),
-                trie_placements(cat, starts, lengths, trie),
-            )
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        for trie in (group, np.zeros_like(group), by_token, scattered.astype(np.int64)):
+            got, want = placements(cat, offsets, trie), trie_placements(cat, starts, lengths, trie)
             assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
 
 

@@ -11,7 +11,8 @@ row shares it, ``share=0`` runs the tree cases with one trie per group, ``packin
 
 For each packer (sequence, tree) and planner (its token-budget planner, and the fixed-count planner of
 ``packing.token_budget <= 0`` with ``samples / rows`` samples per row), one repeat plans the whole step
-(``add`` every sample, then ``flush``) and packs every row of every micro-batch. Reported: the median over
+(``add`` every sample, then ``flush``) and packs every row of every micro-batch; one planner per case serves
+every repeat, as the trainer's serves every step. Reported: the median over
 ``repeats`` of planning and of packing time, in microseconds per sample, plus the rows and forwarded tokens of the
 plan. Defaults: 2,000 samples, P = C = 16, so Σ L is about 64k tokens, in rows of ``token_budget`` = 16,384.
 
@@ -143,10 +144,11 @@ def cases(opts: Options) -> dict[str, tuple[Any, Any]]:
     return out
 
 
-def run_case(packer: Any, make_planner: Any, samples: list) -> tuple[float, float, list, list]:
-    """(planning seconds, packing seconds, micro-batches, packed rows) of one repeat."""
+def run_case(packer: Any, planner: Any, samples: list) -> tuple[float, float, list, list]:
+    """(planning seconds, packing seconds, micro-batches, packed rows) of one repeat: ``planner`` (empty: flushed
+    by the repeat before) plans the step, as the trainer's one planner plans step after step."""
     t0 = time.perf_counter()
-    batches = plan(make_planner(), samples)
+    batches = plan(planner, samples)
     t1 = time.perf_counter()
     rows = [packer.pack(row) for mb in batches for row in mb.rows]
     t2 = time.perf_counter()
@@ -173,13 +175,14 @@ def main(argv: list[str]) -> None:
         for name, (packer, make_planner) in cases(opts).items():
             print(f"\n## {name}")
             prof = cProfile.Profile()
-            prof.runcall(run_case, packer, make_planner, samples)
+            prof.runcall(run_case, packer, make_planner(), samples)
             pstats.Stats(prof).sort_stats("cumulative").print_stats(opts.profile)
         return
     print("| case | micro-batches | rows | forwarded tokens | plan us/sample | pack us/sample | total |")
     print("|---|---|---|---|---|---|---|")
     for name, (packer, make_planner) in cases(opts).items():
-        times = [run_case(packer, make_planner, samples) for _ in range(opts.repeats + 1)][1:]  # 1 warm-up
+        planner = make_planner()
+        times = [run_case(packer, planner, samples) for _ in range(opts.repeats + 1)][1:]  # 1 warm-up
         plan_s = statistics.median(t[0] for t in times)
         pack_s = statistics.median(t[1] for t in times)
         _, _, batches, rows = times[-1]

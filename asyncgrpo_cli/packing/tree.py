@@ -42,8 +42,8 @@ import torch
 from asyncgrpo_cli.config.schema import PackingConfig
 from asyncgrpo_cli.packing.attention import token_leave
 from asyncgrpo_cli.packing.row import PackedRow, gather_loss_terms
-from asyncgrpo_cli.packing.tree_arrays import owners, path_pieces, placements, preorder
-from asyncgrpo_cli.packing.trie import PlannedRow, group_key
+from asyncgrpo_cli.packing.tree_arrays import owners, path_pieces, preorder
+from asyncgrpo_cli.packing.trie import PlannedRow, group_key, placements
 from asyncgrpo_cli.samples import TrainingSequence
 
 
@@ -144,11 +144,9 @@ def tree_layout(samples: Sequence[TrainingSequence], share_across_groups: bool =
     placed = samples.placements_for(lengths, share_across_groups) if isinstance(samples, PlannedRow) else None
     if placed is not None:
         parent, own_from = placed
-    elif share_across_groups:
-        trie = np.unique(cat[starts], return_inverse=True)[1].astype(np.int64, copy=False).reshape(-1)
-        parent, own_from = placements(cat, starts, lengths, trie, group)
     else:
-        parent, own_from = placements(cat, starts, lengths, group)
+        offsets = np.concatenate([[0], ends]).astype(np.int64)
+        parent, own_from = placements(cat, offsets, np.zeros(n, np.int64) if share_across_groups else group)
     chunks = np.flatnonzero(own_from < lengths)  # samples that place tokens, ascending
     a = own_from[chunks] - 1  # the depth each chunk hangs below (-1: a root)
     hung = np.flatnonzero(a >= 0)

@@ -2,10 +2,10 @@
 
 Same interface as :class:`~asyncgrpo_cli.packing.planner.TokenBudgetPlanner` (``add`` / ``flush`` /
 ``MicroBatch`` / ``dropped_oversize_count`` / ``num_open_samples``); what differs is the cost of a row. Each open
-row keeps the :class:`~asyncgrpo_cli.packing.trie.GroupTrie` its :class:`~asyncgrpo_cli.packing.tree.TreePacker`
-row will be laid out from: one for the whole row (``share_across_groups``, this class: groups share the prefixes
-their prompts have in common) or one per group (:class:`GroupTreeBudgetPlanner`, for
-``packing.share_across_groups=false``). So a row's costs are exactly what its packed row will be:
+row keeps the tries (``packing/trie.py``) its :class:`~asyncgrpo_cli.packing.tree.TreePacker` row will be laid
+out from: one for the whole row (``share_across_groups``, this class: groups share the prefixes their prompts
+have in common) or one per group (:class:`GroupTreeBudgetPlanner`, for ``packing.share_across_groups=false``).
+So a row's costs are exactly what its packed row will be:
 
   - forwarded tokens = unique placements (a shared prefix counts once; a forked node once per branch);
   - attention cost   = attention pairs, Σ over forwarded tokens of (depth + 1);
@@ -39,9 +39,16 @@ are the per-group rules they were (lowest cost, then lowest rank).
 
 Every emitted micro-batch has a non-empty row on every rank: an admissible sample (length <= budget) fits an
 empty row, and rules 2-3 use an empty row before emitting. A sample longer than ``token_budget`` is dropped and
-counted in ``dropped_oversize_count``. The work per sample is one trie probe per row holding its group (a walk
-down the radix trie, ``packing/trie.py``; rules 2-3 probe every open row once) plus scans of ``num_ranks`` Python
-integers; no numpy call runs per sample beyond counting its trained tokens.
+counted in ``dropped_oversize_count``.
+
+How it runs: the rules are a compiled kernel (:func:`_place`) over the tries' arrays, and a compiled call costs
+about as much as deciding a sample, so ``add`` defers samples it need not decide yet. While the samples waiting
+add up to at most the room left in the fullest row (``budget`` minus its forwarded or trained tokens, whichever
+is larger), every one of them fits every row whatever the rules choose, so none can close the micro-batch and
+``add`` only queues it. The sample that breaks that bound places them all, in arrival order, in one kernel call;
+only that last one can close the micro-batch, which ``add`` then returns as before. The micro-batches are the
+ones deciding each sample on arrival gives (``tests/test_planning_vectorized.py``), at ~1 us a sample
+(``asyncgrpo bench planning``) instead of the ~6 us of a Python trie walk per sample.
 """
 
 from __future__ import annotations
@@ -50,13 +57,171 @@ import logging
 from collections.abc import Hashable
 
 import numpy as np
+from numba import njit
 
 from asyncgrpo_cli.packing.planner import MicroBatch, context_only
-from asyncgrpo_cli.packing.trie import Attachment, GroupTrie, PlannedRow, group_key
+from asyncgrpo_cli.packing.trie import NODES, SAMPLES, Forest, PlannedRow, commit, group_key, new_root, probe
 from asyncgrpo_cli.samples import TrainingSequence
 
 logger = logging.getLogger(__name__)
 _INT64, _BOOL = np.dtype(np.int64), np.dtype(np.bool_)
+# columns of the rows' running totals (``TreeBudgetPlanner._totals``)
+TOKENS, TRAINED, COST = range(3)
+
+
+@njit(cache=True, nogil=True)
+def _trie_root(forest_nodes: np.ndarray, homes: np.ndarray, g: int, r: int, share: bool) -> int:
+    """The root of the trie a sample of group ``g`` joins in row ``r`` (-1: none, it places every token): the row's
+    trie (node 0) once the row holds anything; with one trie per group, the group's trie in that row."""
+    if share:
+        return 0 if forest_nodes[r] > 0 else -1
+    return homes[g, r]
+
+
+@njit(cache=True, nogil=True)
+def _choose_new(
+    nodes, store, counts, walk, totals, homes, ids, g, tr, budget, share, candidates, top
+) -> int:  # pragma: no cover - compiled
+    """The fitting row among ``candidates`` of least attention cost after adding the sample (ties: lowest rank);
+    with ``top >= 0`` only one whose cost after stays <= top (rule 2); -1 when there is none (rule 3)."""
+    length = ids.shape[0]
+    pairs = length * (length + 1) // 2
+    best, best_after = -1, 0
+    for r in range(totals.shape[0]):
+        if not candidates[r]:
+            continue
+        root = _trie_root(counts[:, NODES], homes, g, r, share)
+        if root < 0:
+            new, after = length, totals[r, COST] + pairs
+        else:
+            own = probe(nodes[r], store[r], root, ids, walk[r])
+            new, after = length - own, totals[r, COST] + (length * (length + 1) - own * (own + 1)) // 2
+        if totals[r, TOKENS] + new > budget or totals[r, TRAINED] > budget - tr or (top >= 0 and after > top):
+            continue
+        if best < 0 or after < best_after:
+            best, best_after = r, after
+    return best
+
+
+@njit(cache=True, nogil=True)
+def _place(
+    nodes, store, meta, counts, walk, totals, homes, cat, offsets, trained, group, start, budget, share, assign,
+    rooms, home_room,
+) -> int:  # pragma: no cover - compiled  # fmt: skip
+    """Place samples ``start, start + 1, ...`` (ids ``cat[offsets[i]:offsets[i + 1]]``, group ``group[i]``) by the
+    module docstring's rules into the rows' tries (``assign[i]``: the row), updating ``totals`` (per row: tokens,
+    trained, cost) and ``homes`` (per group and row: its trie root, -1 none; 0 when the row shares one trie).
+    ``walk[r]`` holds the sample's probe of row r's trie (each rule probes the rows it considers). Returns the
+    index of the first sample no row may take (it closes the micro-batch; nothing of it is placed), or the number
+    of samples when every one was placed; then ``_rooms`` has filled ``rooms`` and ``home_room``."""
+    stop = _place_samples(
+        nodes,
+        store,
+        meta,
+        counts,
+        walk,
+        totals,
+        homes,
+        cat,
+        offsets,
+        trained,
+        group,
+        start,
+        budget,
+        share,
+        assign,
+    )
+    _rooms(totals, homes, budget, rooms, home_room)
+    return stop
+
+
+@njit(cache=True, nogil=True)
+def _rooms(totals, homes, budget, rooms, home_room) -> None:  # pragma: no cover - compiled
+    """The bounds ``add`` defers samples under (module docstring), from the rows as placed now: ``rooms`` = (the
+    least, the most) room of any row (budget minus its forwarded or trained tokens, the larger); ``home_room[g]``
+    the most room among the rows holding group g (-1: none), for the first ``home_room.shape[0]`` groups."""
+    ranks = totals.shape[0]
+    room = np.empty(ranks, dtype=np.int64)
+    for r in range(ranks):
+        room[r] = budget - max(totals[r, TOKENS], totals[r, TRAINED])
+    rooms[0], rooms[1] = room.min(), room.max()
+    for g in range(home_room.shape[0]):
+        best = -1
+        for r in range(ranks):
+            if homes[g, r] >= 0 and room[r] > best:
+                best = room[r]
+        home_room[g] = best
+
+
+@njit(cache=True, nogil=True)
+def _place_samples(
+    nodes,
+    store,
+    meta,
+    counts,
+    walk,
+    totals,
+    homes,
+    cat,
+    offsets,
+    trained,
+    group,
+    start,
+    budget,
+    share,
+    assign,
+) -> int:  # pragma: no cover - compiled
+    """:func:`_place`'s placement loop."""
+    ranks = totals.shape[0]
+    candidates = np.zeros(ranks, dtype=np.bool_)
+    for i in range(start, offsets.shape[0] - 1):
+        ids = cat[offsets[i] : offsets[i + 1]]
+        length, tr, g = ids.shape[0], trained[i], group[i]
+        rank, best_new, best_after = -1, 0, 0
+        held = False
+        for r in range(ranks):  # rule 1: fewest new tokens, then lowest cost after, then lowest rank
+            if homes[g, r] < 0:
+                continue
+            held = True
+            own = probe(nodes[r], store[r], _trie_root(counts[:, NODES], homes, g, r, share), ids, walk[r])
+            new = length - own
+            if totals[r, TOKENS] + new > budget or totals[r, TRAINED] > budget - tr:
+                continue
+            after = totals[r, COST] + (length * (length + 1) - own * (own + 1)) // 2
+            if rank < 0 or new < best_new or (new == best_new and after < best_after):
+                rank, best_new, best_after = r, new, after
+        if held and rank < 0:
+            for r in range(ranks):  # rule 2: an empty row
+                if counts[r, SAMPLES] == 0:
+                    rank = r
+                    break
+            if rank < 0:  # rule 2: a row it does not make the costliest
+                for r in range(ranks):
+                    candidates[r] = homes[g, r] < 0
+                top = totals[0, COST]
+                for r in range(1, ranks):
+                    top = max(top, totals[r, COST])
+                rank = _choose_new(
+                    nodes, store, counts, walk, totals, homes, ids, g, tr, budget, share, candidates, top
+                )
+        elif not held:  # rule 3
+            candidates[:] = True
+            rank = _choose_new(
+                nodes, store, counts, walk, totals, homes, ids, g, tr, budget, share, candidates, -1
+            )
+        if rank < 0:
+            return i
+        root = _trie_root(counts[:, NODES], homes, g, rank, share)
+        if root < 0:  # the row has no trie this sample joins: a new one (else the rules probed the row's)
+            root = new_root(nodes[rank], counts[rank])
+            probe(nodes[rank], store[rank], root, ids, walk[rank])
+        own = commit(nodes[rank], store[rank], meta[rank], counts[rank], ids, walk[rank])
+        homes[g, rank] = root
+        totals[rank, TOKENS] += length - own
+        totals[rank, TRAINED] += tr
+        totals[rank, COST] += (length * (length + 1) - own * (own + 1)) // 2
+        assign[i] = rank
+    return offsets.shape[0] - 1
 
 
 class TreeBudgetPlanner:
@@ -73,19 +238,36 @@ class TreeBudgetPlanner:
         self.token_budget = token_budget
         self.num_ranks = num_ranks
         self.dropped_oversize_count = 0
+        self._forest = Forest(num_ranks)
+        self._totals = np.zeros((num_ranks, 3), dtype=np.int64)  # per row: TOKENS, TRAINED, COST
+        self._homes = np.full((64, num_ranks), -1, dtype=np.int64)  # per group number and row: its trie root
+        self._home_room = np.full(64, -1, dtype=np.int64)  # per group number: _rooms
+        self._rooms = np.zeros(2, dtype=np.int64)  # the least and the most room of a row: _rooms
+        self._groups: dict[Hashable, int] = {}  # this micro-batch's groups, numbered as they come
+        # the waiting samples, with their ids, trained tokens and group numbers
+        self._waiting: list[TrainingSequence] = []
+        self._waiting_ids: list[np.ndarray] = []
+        self._waiting_trained: list[int] = []
+        self._waiting_group: list[int] = []
+        self._waiting_tokens = 0
+        self._waiting_new: set[int] = set()  # groups first seen among the waiting samples
+        self._placed = self._stored = 0  # samples placed and tokens stored (at most) in the open micro-batch
         self._reset()
 
     def _reset(self) -> None:
+        """An empty micro-batch."""
         self._rows: list[list[TrainingSequence]] = [[] for _ in range(self.num_ranks)]
-        self._tries: list[dict[Hashable, GroupTrie]] = [{} for _ in range(self.num_ranks)]
-        self._homes: dict[Hashable, list[int]] = {}  # group -> the ranks holding it, ascending
-        self._tokens = [0] * self.num_ranks
-        self._trained = [0] * self.num_ranks
-        self._cost = [0] * self.num_ranks
+        self._forest.clear()
+        self._totals[:] = 0
+        self._homes[: len(self._groups)] = -1
+        self._home_room[: len(self._groups)] = -1
+        self._groups.clear()
+        self._rooms[:] = self.token_budget
+        self._placed = self._stored = 0
 
     @property
     def num_open_samples(self) -> int:
-        return sum(len(r) for r in self._rows)
+        return sum(len(r) for r in self._rows) + len(self._waiting)
 
     def add(self, sample: TrainingSequence) -> MicroBatch | None:
         """Place ``sample``; return the micro-batch it closed, if any (then the sample opens the next one)."""
@@ -104,108 +286,80 @@ class TreeBudgetPlanner:
                 self.token_budget,
             )
             return None
-        group = group_key(sample)
-        tkey = None if self.share_across_groups else group  # the trie of a row the sample goes into
-        key = ids.tobytes()
         mask = sample.train_mask
         trained = int(np.count_nonzero(mask)) if mask.dtype is _BOOL else sample.num_trained
-        home = self._homes.get(group)
+        key = group_key(sample)
+        groups = self._groups
+        g = groups.get(key)
+        if g is None:
+            g = groups[key] = len(groups)
+        self._waiting.append(sample)
+        self._waiting_ids.append(ids)
+        self._waiting_trained.append(trained)
+        self._waiting_group.append(g)
+        need = self._waiting_tokens = self._waiting_tokens + max(length, trained)
+        home = int(self._home_room[g]) if g < self._home_room.shape[0] else -1
+        if home >= 0:  # it fits one of its group's rows whatever the waiting samples before it do
+            room = home
+        elif g in self._waiting_new:  # its group's first sample waits too: it may go to any row
+            room = int(self._rooms[0])
+        else:  # a new group: the row with the most room fits it
+            self._waiting_new.add(g)
+            room = int(self._rooms[1])
+        if need <= room:
+            return None
+        return self._place_waiting()
+
+    def _place_waiting(self) -> MicroBatch | None:
+        """Place the waiting samples (module docstring); the micro-batch the last one closed, if it did."""
+        n = len(self._waiting)
+        closed = self._place(0)
         emitted = None
-        if home is None:
-            rank = self._choose_new(length, trained, self._probe_others(ids, key, tkey, ()))
-        elif len(home) == 1:  # the usual case: rule 1 has one candidate
-            r = home[0]
-            att = self._tries[r][tkey].probe(ids, key)
-            if self._tokens[r] + length - att.own_from <= self.token_budget and (
-                self._trained[r] + trained <= self.token_budget
-            ):
-                rank = r
-            else:
-                rank = self._choose_home(length, trained, {r: att}, ids, key, tkey)
-        else:
-            tries = self._tries
-            attachments = {r: tries[r][tkey].probe(ids, key) for r in home}
-            rank = self._choose_home(length, trained, attachments, ids, key, tkey)
-        if rank is None:
-            emitted = self._emit(self._rows)
-            rank = 0
-        tries = self._tries[rank]
-        trie = tries.get(tkey)
-        if trie is None:  # an empty row (or, per group, the group's first sample in it): probe a new trie
-            trie = tries[tkey] = GroupTrie()
-            trie.probe(ids, key)
-        ranks = self._homes.setdefault(group, [])
-        if rank not in ranks:
-            ranks.append(rank)
-            ranks.sort()
-        own = trie.commit().own_from  # the trie's last probe is this sample's (in this row's rules)
-        self._rows[rank].append(sample)
-        self._tokens[rank] += length - own
-        self._trained[rank] += trained
-        self._cost[rank] += (length * (length + 1) - own * (own + 1)) // 2
+        if closed < n:
+            if closed != n - 1:
+                raise RuntimeError(
+                    f"tree planner: sample {closed} of {n} waiting closed the micro-batch; only the last can "
+                    "(each waiting sample fit a row it may go to)"
+                )
+            key = group_key(self._waiting[closed])
+            emitted = self._emit()
+            self._groups[key] = self._waiting_group[closed] = 0  # the first group of the next micro-batch
+            if self._place(closed) != n:
+                raise RuntimeError("tree planner: a sample did not fit an empty micro-batch")
+        self._waiting, self._waiting_ids, self._waiting_trained, self._waiting_group = [], [], [], []
+        self._waiting_tokens = 0
+        self._waiting_new.clear()
         return emitted
 
-    def _probe_others(
-        self, ids: np.ndarray, key: bytes, tkey: Hashable, home: list[int] | tuple[()]
-    ) -> dict[int, Attachment | None]:
-        """Rank -> the sample's probe of that row's trie, for every rank outside ``home``; None where the row has
-        no trie the sample would join (an empty row, or with one trie per group, a row without its group): it
-        places all of its tokens there."""
-        out: dict[int, Attachment | None] = {}
-        for r, tries in enumerate(self._tries):
-            if r in home:
-                continue
-            trie = tries.get(tkey)
-            out[r] = None if trie is None else trie.probe(ids, key)
-        return out
-
-    def _choose_home(
-        self,
-        length: int,
-        trained: int,
-        attachments: dict[int, Attachment],
-        ids: np.ndarray,
-        key: bytes,
-        tkey: Hashable,
-    ) -> int | None:
-        """Rules 1-2 for a sample whose group is open in the ranks of ``attachments`` (its probe in each)."""
-        budget, tokens, cost, done = self.token_budget, self._tokens, self._cost, self._trained
-        trained_ok = budget - trained
-        best, best_key = None, None
-        for r, att in attachments.items():  # rule 1: fewest new tokens, then lowest cost after, then rank
-            new = length - att.own_from
-            if tokens[r] + new <= budget and done[r] <= trained_ok:
-                k = (new, cost[r] + att.new_pairs, r)
-                if best_key is None or k < best_key:
-                    best, best_key = r, k
-        if best is not None:
-            return best
-        for r, row in enumerate(self._rows):  # rule 2: an empty row
-            if not row:
-                return r
-        others = self._probe_others(ids, key, tkey, list(attachments))
-        return self._choose_new(length, trained, others, top=max(cost))
-
-    def _choose_new(
-        self, length: int, trained: int, probes: dict[int, Attachment | None], top: int | None = None
-    ) -> int | None:
-        """The fitting rank of ``probes`` (rank -> the sample's probe there, None: it places every token) of least
-        attention cost after adding the sample (ties: lowest rank); with ``top``, only one whose cost after
-        stays <= top (rule 2); None when there is none (rule 3)."""
-        budget, tokens, cost, done = self.token_budget, self._tokens, self._cost, self._trained
-        trained_ok = budget - trained
-        pairs = length * (length + 1) // 2
-        best, best_after = None, None
-        for r, att in probes.items():
-            if att is None:
-                new, after = length, cost[r] + pairs
-            else:
-                new, after = length - att.own_from, cost[r] + att.new_pairs
-            if tokens[r] + new > budget or done[r] > trained_ok or (top is not None and after > top):
-                continue
-            if best_after is None or after < best_after:
-                best, best_after = r, after
-        return best
+    def _place(self, start: int) -> int:
+        """Run :func:`_place` over the waiting samples from ``start``; add the placed ones to their rows; returns
+        the index it stopped at."""
+        n, groups = len(self._waiting), len(self._groups)
+        if groups > self._homes.shape[0]:
+            homes = np.full((2 * groups, self.num_ranks), -1, dtype=np.int64)
+            homes[: self._homes.shape[0]] = self._homes
+            self._homes, self._home_room = homes, np.full(2 * groups, -1, dtype=np.int64)
+        forest = self._forest
+        ids = self._waiting_ids[start:]
+        offsets = np.zeros(n - start + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, ids), _INT64, count=n - start), out=offsets[1:])
+        self._placed += n - start
+        self._stored = min(
+            self._stored + int(offsets[-1]), self.token_budget
+        )  # a row's trie stores <= its tokens
+        forest.reserve(self._placed, self._stored)
+        assign = np.empty(n - start, dtype=np.int64)
+        stop = start + _place(
+            forest.nodes, forest.store, forest.meta, forest.counts, forest.walk, self._totals, self._homes,
+            np.concatenate(ids), offsets, np.array(self._waiting_trained[start:], dtype=np.int64),
+            np.array(self._waiting_group[start:], dtype=np.int64), 0, self.token_budget, self.share_across_groups,
+            assign, self._rooms, self._home_room[:groups],
+        )  # fmt: skip
+        rows = self._rows
+        for sample, rank in zip(self._waiting[start:stop], assign.tolist()):
+            rows[rank].append(sample)
+        self._placed -= n - stop
+        return stop
 
     def flush(self, allow_filler: bool = True) -> MicroBatch | None:
         """Emit the open rows (end of data). None when nothing is open.
@@ -214,6 +368,8 @@ class TreeBudgetPlanner:
         ``allow_filler=False`` return None and keep the samples open; otherwise each empty rank gets a
         context-only copy of the shortest open sample, listed in ``MicroBatch.filler_ranks``.
         """
+        if self._waiting and self._place_waiting() is not None:
+            raise RuntimeError("tree planner: a waiting sample closed the micro-batch at flush")
         if self.num_open_samples == 0:
             return None
         empty = [r for r, row in enumerate(self._rows) if not row]
@@ -224,16 +380,17 @@ class TreeBudgetPlanner:
             n = len(filler)
             for r in empty:
                 self._rows[r] = [filler]
-                self._tokens[r], self._trained[r], self._cost[r] = n, 0, n * (n + 1) // 2
-        return self._emit(self._rows, filler_ranks=tuple(empty))
+                self._totals[r] = (n, 0, n * (n + 1) // 2)
+        return self._emit(filler_ranks=tuple(empty))
 
-    def _emit(self, rows: list[list[TrainingSequence]], filler_ranks: tuple[int, ...] = ()) -> MicroBatch:
+    def _emit(self, filler_ranks: tuple[int, ...] = ()) -> MicroBatch:
+        totals = self._totals
         batch = MicroBatch(
-            rows=[self._planned(r, row) for r, row in enumerate(rows)],
-            samples_per_row=np.array([len(row) for row in rows], dtype=np.int64),
-            tokens_per_row=np.array(self._tokens, dtype=np.int64),
-            trained_per_row=np.array(self._trained, dtype=np.int64),
-            attn_cost_per_row=np.array(self._cost, dtype=np.int64),
+            rows=[self._planned(r, row) for r, row in enumerate(self._rows)],
+            samples_per_row=np.array([len(row) for row in self._rows], dtype=np.int64),
+            tokens_per_row=totals[:, TOKENS].copy(),
+            trained_per_row=totals[:, TRAINED].copy(),
+            attn_cost_per_row=totals[:, COST].copy(),
             token_budget=self.token_budget,
             filler_ranks=filler_ranks,
         )
@@ -242,28 +399,11 @@ class TreeBudgetPlanner:
 
     def _planned(self, rank: int, row: list[TrainingSequence]) -> list[TrainingSequence]:
         """``row`` as a :class:`PlannedRow` carrying its tries' placements in row order (the packer's layout then
-        skips computing them); a filler row (no trie) stays a plain list. A trie's samples are inserted in row
-        order: with one trie per row its indices are the row's; with one per group, the row indices of the
-        group's samples."""
-        tries = self._tries[rank]
-        if not tries:
+        skips computing them); a filler row (no trie) stays a plain list. The row's tries number its samples in
+        row order, whether it has one trie or one per group, so a parent is a row index."""
+        if self._forest.counts[rank, SAMPLES] == 0:
             return row
-        if self.share_across_groups:
-            (trie,) = tries.values()
-            parents, own_from, lengths = (
-                np.array(x, dtype=np.int64) for x in (trie.parents, trie.own_from, trie.lengths)
-            )
-        else:
-            n = len(row)
-            parents, own_from, lengths = (np.empty(n, dtype=np.int64) for _ in range(3))
-            members: dict[Hashable, list[int]] = {}
-            for i, sample in enumerate(row):
-                members.setdefault(group_key(sample), []).append(i)
-            for key, trie in tries.items():
-                at = np.array(members[key], dtype=np.int64)
-                local = np.array(trie.parents, dtype=np.int64)  # indices into ``at``
-                parents[at] = np.where(local >= 0, at[np.maximum(local, 0)], -1)
-                own_from[at], lengths[at] = trie.own_from, trie.lengths
+        parents, own_from, lengths = self._forest.placements(rank)
         return PlannedRow(row, parents, own_from, lengths, self.share_across_groups)
 
 

@@ -16,13 +16,20 @@ every repeat, as the trainer's serves every step. Reported: the median over
 ``repeats`` of planning and of packing time, in microseconds per sample, plus the rows and forwarded tokens of the
 plan. Defaults: 2,000 samples, P = C = 16, so Σ L is about 64k tokens, in rows of ``token_budget`` = 16,384.
 
+Freed host memory: ``host_memory=keep`` (default) keeps it for reuse, as the trainer does
+(``trainer.keep_host_memory``, ``host_memory.py``); ``return`` sets glibc's starting thresholds, so freed memory
+goes back to the kernel and each row faults fresh pages in; ``both`` alternates the two within this process
+(A B B A ...) and prints a row for each. Page faults per sample are counted over planning and packing.
+
 Usage: asyncgrpo bench planning [samples=2000] [group_size=16] [prompt_len=16] [completion_len=16] [topk=8]
        [token_budget=16384] [ranks=1] [rows=4] [repeats=5] [seed=0] [profile=0] [system_len=0] [share=1]
+       [host_memory=keep|return|both]
 ``profile=N`` prints the N most expensive functions (cProfile, cumulative) of one repeat of each case instead.
 """
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from dataclasses import dataclass, fields
@@ -48,10 +55,15 @@ class Options:
     profile: int = 0
     system_len: int = 0
     share: int = 1
+    host_memory: str = "keep"
+
+
+HOST_MEMORY = ("keep", "return", "both")
 
 
 def parse_options(argv: list[str]) -> Options:
-    """``key=value`` integer arguments into :class:`Options`; unknown keys and bad values name the key."""
+    """``key=value`` arguments into :class:`Options` (integers, and ``host_memory``); unknown keys and bad values
+    name the key."""
     opts = Options()
     names = [f.name for f in fields(Options)]
     for arg in argv:
@@ -60,6 +72,13 @@ def parse_options(argv: list[str]) -> Options:
             raise UserError(
                 f"asyncgrpo bench planning: expected KEY=VALUE with KEY in {', '.join(names)}, got {arg!r}"
             )
+        if key == "host_memory":
+            if value not in HOST_MEMORY:
+                raise UserError(
+                    f"asyncgrpo bench planning: host_memory={value!r}: one of {', '.join(HOST_MEMORY)}"
+                )
+            opts.host_memory = value
+            continue
         try:
             setattr(opts, key, int(value))
         except ValueError:
@@ -178,16 +197,44 @@ def main(argv: list[str]) -> None:
             prof.runcall(run_case, packer, make_planner(), samples)
             pstats.Stats(prof).sort_stats("cumulative").print_stats(opts.profile)
         return
-    print("| case | micro-batches | rows | forwarded tokens | plan us/sample | pack us/sample | total |")
-    print("|---|---|---|---|---|---|---|")
+    modes = {"keep": ("kept",), "return": ("returned",), "both": ("kept", "returned")}[opts.host_memory]
+    print(
+        "| case | micro-batches | rows | forwarded tokens | plan us/sample | pack us/sample | total | "
+        "page faults/sample |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for name, (packer, make_planner) in cases(opts).items():
         planner = make_planner()
-        times = [run_case(packer, planner, samples) for _ in range(opts.repeats + 1)][1:]  # 1 warm-up
-        plan_s = statistics.median(t[0] for t in times)
-        pack_s = statistics.median(t[1] for t in times)
-        _, _, batches, rows = times[-1]
-        forwarded = sum(r.num_forwarded for r in rows)
-        print(
-            f"| {name} | {len(batches)} | {len(rows)} | {forwarded} | {plan_s / n * 1e6:.2f} | "
-            f"{pack_s / n * 1e6:.2f} | {(plan_s + pack_s) / n * 1e6:.2f} |"
-        )
+        _set_host_memory(modes[0])
+        run_case(packer, planner, samples)  # warm-up
+        times: dict[str, list[tuple[float, float, int]]] = {m: [] for m in modes}
+        for r in range(
+            opts.repeats
+        ):  # with both settings: A B B A ..., each repeat's rows freed before the next
+            for mode in modes if r % 2 == 0 else modes[::-1]:
+                _set_host_memory(mode)
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                plan_s, pack_s, batches, rows = run_case(packer, planner, samples)
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+                times[mode].append((plan_s, pack_s, faults))
+                shape = (len(batches), len(rows), sum(row.num_forwarded for row in rows))
+                del batches, rows
+        for mode in modes:
+            plan_s, pack_s, faults = (statistics.median(t[i] for t in times[mode]) for i in range(3))
+            label = name if len(modes) == 1 else f"{name} ({mode} memory)"
+            print(
+                f"| {label} | {shape[0]} | {shape[1]} | {shape[2]} | {plan_s / n * 1e6:.2f} | "
+                f"{pack_s / n * 1e6:.2f} | {(plan_s + pack_s) / n * 1e6:.2f} | {faults / n:.2f} |"
+            )
+    _set_host_memory("kept")
+
+
+def _set_host_memory(mode: str) -> None:
+    """The trainer's setting (``kept``: ``host_memory.keep_freed_memory``) or glibc's starting thresholds
+    (``returned``), switched within the process."""
+    from asyncgrpo_cli import host_memory
+
+    if mode == "kept":
+        host_memory.set_thresholds(host_memory.KEEP)
+    else:
+        host_memory.set_thresholds(host_memory.RETURN, trim=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass, replace
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -166,9 +167,40 @@ def _support_ids(samples: Sequence[TrainingSequence], trained: np.ndarray) -> to
     return torch.from_numpy(out)
 
 
+def _topk_fast(kind: type, extras: list[Any], trained: np.ndarray) -> Any | None:
+    """The usual row's ``kind`` (``TopK`` or ``TeacherTopK``) extra: every sample carries a part of one width K
+    with one row per trained token, checked by array operations over the parts' row counts and one
+    concatenation per field into a preallocated [N, K] array. None for any other row (:func:`_concat_topk`)."""
+    if None in extras:
+        return None
+    id_parts = [p.ids for p in extras]
+    lp_parts = [p.logprobs for p in extras]
+    first = id_parts[0]
+    k = first.shape[1] if first.ndim == 2 else 0
+    count = len(extras)
+    if not (
+        k
+        and np.array_equal(np.fromiter(map(len, id_parts), np.int64, count=count), trained)
+        and np.array_equal(np.fromiter(map(len, lp_parts), np.int64, count=count), trained)
+    ):
+        return None
+    n_rows = int(trained.sum())
+    ids = np.empty((n_rows, k), dtype=np.int64)
+    lps = np.empty((n_rows, k), dtype=np.float32)
+    try:  # every part [n_i, k]: else numpy refuses the shapes and the per-part path explains
+        np.concatenate(id_parts, out=ids, casting="unsafe")
+        np.concatenate(lp_parts, out=lps, casting="unsafe")
+    except ValueError:
+        return None
+    np.copyto(lps, -np.inf, where=ids < 0)
+    return _topk_of(kind, extras, trained, ids, lps)
+
+
 def _concat_topk(kind: type, extras: list[Any], trained: np.ndarray) -> Any:
     """``kind.concat`` (``TopK`` or ``TeacherTopK``) of the row's parts, ``kind.empty(n)`` where ``extras[i]`` is
-    None, written into one preallocated [N, K] pair of arrays per width instead of one pair per sample."""
+    None (rows of every sample checked already), written into one preallocated [N, K] pair of arrays per width
+    instead of one pair per sample."""
+    n_rows = int(trained.sum())
     starts = np.cumsum(trained) - trained
     by_width: dict[int, list[int]] = {}
     for i, p in enumerate(extras):
@@ -182,18 +214,9 @@ def _concat_topk(kind: type, extras: list[Any], trained: np.ndarray) -> Any:
         if shape[1]:
             by_width.setdefault(shape[1], []).append(i)
     k = max(by_width, default=0)
-    n_rows = int(trained.sum())
-    every = len(by_width) == 1 and len(by_width.get(k, ())) == len(extras)
-    ids = np.empty((n_rows, k), dtype=np.int64) if every else np.full((n_rows, k), -1, dtype=np.int64)
-    lps = (
-        np.empty((n_rows, k), dtype=np.float32) if every else np.full((n_rows, k), -np.inf, dtype=np.float32)
-    )
+    ids = np.full((n_rows, k), -1, dtype=np.int64)
+    lps = np.full((n_rows, k), -np.inf, dtype=np.float32)
     for w, members in by_width.items():
-        if w == k and len(members) == len(extras):  # every sample, one width: concatenate in place
-            np.concatenate([p.ids for p in extras], out=ids, casting="unsafe")
-            np.concatenate([p.logprobs for p in extras], out=lps, casting="unsafe")
-            np.copyto(lps, -np.inf, where=ids < 0)
-            continue
         part_ids = np.concatenate([extras[i].ids for i in members])
         part_lps = np.where(part_ids >= 0, np.concatenate([extras[i].logprobs for i in members]), -np.inf)
         if len(members) == len(extras):
@@ -203,6 +226,11 @@ def _concat_topk(kind: type, extras: list[Any], trained: np.ndarray) -> Any:
             rows = np.repeat(starts[m] - (np.cumsum(trained[m]) - trained[m]), trained[m])
             rows += np.arange(rows.shape[0])
             ids[rows, :w], lps[rows, :w] = part_ids, part_lps
+    return _topk_of(kind, extras, trained, ids, lps)
+
+
+def _topk_of(kind: type, extras: list[Any], trained: np.ndarray, ids: np.ndarray, lps: np.ndarray) -> Any:
+    """The row's ``kind`` (``TopK`` or ``TeacherTopK``) of the concatenated ``ids`` / ``lps``."""
     if kind is TopK:
         return TopK(ids, lps)
     names = {p.teacher_names for p in extras if p is not None and p.teacher_names}
@@ -219,29 +247,59 @@ def _gather_extras(samples: Sequence[TrainingSequence], trained: np.ndarray) -> 
     """Every token extra any sample of the row carries, by name: the samples' rows one after another (aligned
     with ``target_ids``), ``empty`` rows for a sample without it, numpy fields turned into tensors. ``TopK`` and
     ``TeacherTopK`` extras are concatenated by :func:`_concat_topk` (the same arrays as their ``concat``)."""
-    names = dict.fromkeys(name for sample in samples for name in sample.token_extras)
-    counts = trained.tolist()
+    by_sample = [sample.token_extras for sample in samples]
+    names = dict.fromkeys(chain.from_iterable(by_sample))
     out = {}
     for name in names:
-        extras = [sample.token_extras.get(name) for sample in samples]
+        extras = [d.get(name) for d in by_sample]
+        kinds = set(map(type, extras))
+        kinds.discard(type(None))
         kind = type(next(e for e in extras if e is not None))
-        fast = kind in (TopK, TeacherTopK) and all(e is None or type(e) is kind for e in extras)
-        rows = (None if e is None else e.ids.shape[0] if fast else len(e) for e in extras)
-        for i, (m, n) in enumerate(zip(rows, counts, strict=True)):
-            if m is not None and m != n:
-                sample = samples[i]
-                raise ValueError(
-                    f"sample {i} ({sample.rollout_id or 'no rollout id'}) has {n} trained tokens but "
-                    f"{m} rows in token_extras[{name!r}] (one per trained token)"
-                )
+        fast = len(kinds) == 1 and kind in (TopK, TeacherTopK)
+        merged = _topk_fast(kind, extras, trained) if fast else None
+        if merged is not None:
+            out[name] = _map_arrays(merged, np.ndarray, _as_tensors)
+            continue
+        present = [i for i, e in enumerate(extras) if e is not None] if None in extras else range(len(extras))
+        rows = np.fromiter(
+            (len(extras[i].ids) if fast else len(extras[i]) for i in present), np.int64, count=len(present)
+        )
+        if (bad := np.flatnonzero(rows != trained[present])).size:
+            i = present[int(bad[0])]
+            sample = samples[i]
+            raise ValueError(
+                f"sample {i} ({sample.rollout_id or 'no rollout id'}) has {int(trained[i])} trained tokens but "
+                f"{int(rows[bad[0]])} rows in token_extras[{name!r}] (one per trained token)"
+            )
         if fast:
             merged = _concat_topk(kind, extras, trained)
         else:
+            counts = trained.tolist()
             merged = kind.concat(
                 [kind.empty(n) if e is None else e for e, n in zip(extras, counts, strict=True)]
             )
         out[name] = _map_arrays(merged, np.ndarray, _as_tensors)
     return out
+
+
+def row_arrays(samples: Sequence[TrainingSequence]) -> tuple[np.ndarray, list, list]:
+    """(lengths int64 [n], train masks, sampler log-probs) of a row's samples; ValueError naming the first sample
+    whose mask or log-probs do not have one entry per input id."""
+    n = len(samples)
+    masks = [s.train_mask for s in samples]
+    logprobs = [s.sampler_logprobs for s in samples]
+    lengths = np.fromiter((s.input_ids.shape[0] for s in samples), dtype=np.int64, count=n)
+    for name, arrays in (("train_mask", masks), ("sampler_logprobs", logprobs)):
+        other = np.fromiter(map(len, arrays), dtype=np.int64, count=n)
+        if (bad := np.flatnonzero(other != lengths)).size:
+            raise ValueError(
+                f"sample {bad[0]}: {name} has {other[bad[0]]} entries for {lengths[bad[0]]} input ids"
+            )
+    return lengths, masks, logprobs
+
+
+def untrainable_first_token(sample: int) -> ValueError:
+    return ValueError(f"sample {sample}: token 0 is marked trained but has no predecessor to predict it")
 
 
 def gather_loss_terms(
@@ -256,46 +314,55 @@ def gather_loss_terms(
     the predecessors of trained tokens are looked up). For each trained token ``t`` (``train_mask[t]``, t >= 1):
     ``pred_index = packed_positions[s][t - 1]``, ``target_ids = input_ids[t]``, plus the sample's sampler
     log-prob, advantage, index, candidate set (``support_ids``) and token extras (``extras``, by name). Returns the
-    ``PackedRow`` loss fields. ``input_ids``: the samples' ids one after another, when the packer has them
-    already (then not concatenated again). The row's arrays are concatenated once and indexed by the flat
-    trained positions, so the cost is a few array operations per row plus attribute reads per sample.
+    ``PackedRow`` loss fields (:func:`loss_terms`). ``input_ids``: the samples' ids one after another, when the
+    packer has them already (then not concatenated again). The row's arrays are concatenated once and indexed by
+    the flat trained positions, so the cost is a few array operations per row plus attribute reads per sample.
     """
     n = len(samples)
-    lengths = np.fromiter((s.input_ids.shape[0] for s in samples), dtype=np.int64, count=n)
-    for name in ("train_mask", "sampler_logprobs"):
-        other = np.fromiter((getattr(s, name).shape[0] for s in samples), dtype=np.int64, count=n)
-        if (bad := np.flatnonzero(other != lengths)).size:
-            raise ValueError(
-                f"sample {bad[0]}: {name} has {other[bad[0]]} entries for {lengths[bad[0]]} input ids"
-            )
+    lengths, masks, logprobs = row_arrays(samples)
     ends = np.cumsum(lengths)
-    flat = np.flatnonzero(np.concatenate([s.train_mask for s in samples])) if n else np.zeros(0, np.int64)
+    flat = np.flatnonzero(np.concatenate(masks)) if n else np.zeros(0, np.int64)
     owner = np.searchsorted(ends, flat, side="right")
     if (first := np.flatnonzero(flat == (ends - lengths)[owner])).size:
-        raise ValueError(
-            f"sample {owner[first[0]]}: token 0 is marked trained but has no predecessor to predict it"
-        )
+        raise untrainable_first_token(int(owner[first[0]]))
     trained = np.bincount(owner, minlength=n).astype(np.int64)
+    if not n:
+        pred = flat
+    elif callable(packed_positions):
+        pred = packed_positions(flat - 1)
+    elif isinstance(packed_positions, np.ndarray):
+        pred = packed_positions[flat - 1]
+    else:
+        pred = np.concatenate(packed_positions)[flat - 1]
+    if input_ids is None and n:
+        input_ids = np.concatenate([s.input_ids for s in samples])
+    return loss_terms(samples, flat, pred, owner, trained, input_ids, logprobs)
+
+
+def loss_terms(
+    samples: Sequence[TrainingSequence],
+    flat: np.ndarray,
+    pred: np.ndarray,
+    owner: np.ndarray,
+    trained: np.ndarray,
+    input_ids: np.ndarray | None,
+    logprobs: list[np.ndarray],
+) -> dict[str, Any]:
+    """The ``PackedRow`` loss fields of a row whose trained tokens are the flat indices ``flat`` (the samples'
+    tokens one after another), predicted at packed positions ``pred``, of samples ``owner`` (``trained``: per
+    sample its count); ``input_ids``: the samples' ids one after another; ``logprobs``: their sampler log-probs."""
     out: dict[str, Any] = {}
-    if n:
-        if callable(packed_positions):
-            pred = packed_positions(flat - 1)
-        elif isinstance(packed_positions, np.ndarray):
-            pred = packed_positions[flat - 1]
-        else:
-            pred = np.concatenate(packed_positions)[flat - 1]
+    if samples:
         adv = np.array([s.advantage for s in samples])
         terms = {
             "pred_index": pred,
-            "target_ids": (
-                np.concatenate([s.input_ids for s in samples]) if input_ids is None else input_ids
-            )[flat],
-            "sampler_logprobs": np.concatenate([s.sampler_logprobs for s in samples])[flat],
+            "target_ids": input_ids[flat],
+            "sampler_logprobs": np.concatenate(logprobs)[flat],
             "advantages": np.repeat(adv, trained),
             "sample_index": owner,
         }
     for name, dtype in _TERM_DTYPES.items():
-        arr = terms[name].astype(dtype, copy=False) if n else np.zeros(0, dtype=dtype)
+        arr = terms[name].astype(dtype, copy=False) if samples else np.zeros(0, dtype=dtype)
         out[name] = _as_tensors(arr)
     out["support_ids"] = _support_ids(samples, trained)
     out["extras"] = _gather_extras(samples, trained)

@@ -26,9 +26,9 @@ Worked example (``r0 = p1 p2 p3 a1 a2``, ``r1 = p1 p2 p3 b1 b2``)::
     segment       S0 S0 S1 S1 S1 S2 S2 S2      S1 and S2 hang below S0
     r0 predicted at 2, 3 (a1, a2); r1 at 5, 6 (b1, b2); 8 forwarded tokens instead of 10
 
-Everything is array operations over the whole row (no per-sample numpy call, no per-token Python loop;
-``packing/tree_arrays.py``) and nothing is O(T²): the row carries the DFS intervals (``leave``), rendered as a
-mask only for the model's kernel (``model/logprobs.py``).
+The layout is a few compiled passes over the row's chunks and tokens (``packing/tree_arrays.py``), after one
+concatenation of the samples' ids and masks; nothing is O(T²): the row carries the DFS intervals (``leave``),
+rendered as a mask only for the model's kernel (``model/logprobs.py``).
 """
 
 from __future__ import annotations
@@ -40,9 +40,8 @@ import numpy as np
 import torch
 
 from asyncgrpo_cli.config.schema import PackingConfig
-from asyncgrpo_cli.packing.attention import token_leave
-from asyncgrpo_cli.packing.row import PackedRow, gather_loss_terms
-from asyncgrpo_cli.packing.tree_arrays import owners, path_pieces, preorder
+from asyncgrpo_cli.packing import tree_arrays
+from asyncgrpo_cli.packing.row import PackedRow, loss_terms, row_arrays, untrainable_first_token
 from asyncgrpo_cli.packing.trie import PlannedRow, group_key, placements
 from asyncgrpo_cli.samples import TrainingSequence
 
@@ -53,10 +52,10 @@ class TreeLayout:
 
     ``input_ids`` / ``position_ids`` int64 [T]; ``segment_offsets`` int64 [S + 1] and ``segment_parents`` int64
     [S] (pre-order forest, see ``packing/attention.py``); ``leave`` int64 [T] (DFS interval end of each key);
-    ``sample_offsets`` int64 [n + 1]: sample ``s`` is flat tokens [sample_offsets[s], sample_offsets[s + 1]) of
-    the samples laid one after another, whose ids are ``flat_ids`` int64 [Σ L]. Where each flat token sits in
-    the row is kept as path pieces (``piece_start`` / ``piece_shift``, see ``tree_arrays.path_pieces``):
-    :meth:`locate` maps any flat tokens, :attr:`positions` all of them.
+    ``multiplicity`` int64 [T] (``PackedRow.multiplicity``); ``sample_offsets`` int64 [n + 1]: sample ``s`` is
+    flat tokens [sample_offsets[s], sample_offsets[s + 1]) of the samples laid one after another, whose ids are
+    ``flat_ids`` int64 [Σ L]; ``parent`` / ``own_from`` int64 [n]: the samples' placements, ``chunk_start`` int64
+    [n] where each sample's chunk starts (-1: none), from which :attr:`positions` follow.
     """
 
     input_ids: np.ndarray
@@ -64,39 +63,21 @@ class TreeLayout:
     segment_offsets: np.ndarray
     segment_parents: np.ndarray
     leave: np.ndarray
+    multiplicity: np.ndarray
     sample_offsets: np.ndarray
     flat_ids: np.ndarray
-    piece_start: np.ndarray
-    piece_shift: np.ndarray
+    parent: np.ndarray
+    own_from: np.ndarray
+    chunk_start: np.ndarray
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def locate(self, flat: np.ndarray) -> np.ndarray:
-        """int64: the packed position of each flat token index in ``flat``."""
-        return flat + self.piece_shift[np.searchsorted(self.piece_start, flat, side="right") - 1]
-
     @property
     def positions(self) -> np.ndarray:
         """int64 [Σ L]: the packed position of every token of every sample (its root-to-leaf path)."""
-        total = int(self.sample_offsets[-1])
-        sizes = np.diff(np.append(self.piece_start, total))
-        return np.arange(total) + np.repeat(self.piece_shift, sizes)
-
-    @property
-    def multiplicity(self) -> np.ndarray:
-        """int64 [T]: how many samples have each packed position on their path (``PackedRow.multiplicity``).
-
-        A sample's path is its last token's root-to-token path, and position ``p``'s subtree is the DFS interval
-        ``[p, leave[p])``, so the count is the number of samples whose last token lies in it: with ``below[x]``
-        the number of last tokens before position x (a cumulative count), ``below[leave[p]] - below[p]`` (O(T + n),
-        not O(Σ L)).
-        """
-        last = self.locate(self.sample_offsets[1:] - 1)
-        below = np.zeros(self.num_tokens + 1, dtype=np.int64)
-        np.cumsum(np.bincount(last, minlength=self.num_tokens), out=below[1:])
-        return below[self.leave] - below[:-1]
+        return tree_arrays.positions(self.sample_offsets, self.parent, self.own_from, self.chunk_start)
 
     @property
     def sample_positions(self) -> list[np.ndarray]:
@@ -104,10 +85,17 @@ class TreeLayout:
         return np.split(self.positions, self.sample_offsets[1:-1])
 
 
-def _check_ids(samples: Sequence[TrainingSequence]) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-    """(ids, lengths, concatenated int64 ids) of the row; ValueError naming the first sample that is not a
-    non-empty 1-D array of ids >= 0."""
+def _check_ids(samples: Sequence[TrainingSequence]) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, concatenated int64 ids) of the row; ValueError naming the first sample that is not a non-empty
+    1-D array of ids >= 0."""
     ids = [x if isinstance(x := s.input_ids, np.ndarray) else np.asarray(x, dtype=np.int64) for s in samples]
+    try:  # the usual row: 1-D arrays of ids >= 0 (checked on the concatenation), else name the first bad one
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        cat = np.concatenate(ids)
+        if cat.ndim == 1 and int(lengths.min()) > 0 and (not cat.size or int(cat.min()) >= 0):
+            return lengths, cat.astype(np.int64, copy=False)
+    except (TypeError, ValueError):
+        pass
     lengths = np.fromiter((x.shape[0] if x.ndim == 1 else 0 for x in ids), dtype=np.int64, count=len(ids))
     bad = np.flatnonzero(lengths == 0)
     scan = ids[: int(bad[0])] if bad.size else ids
@@ -115,91 +103,47 @@ def _check_ids(samples: Sequence[TrainingSequence]) -> tuple[list[np.ndarray], n
     first = int(bad[0]) if bad.size else -1
     if cat.size and int(cat.min()) < 0:
         first = int(np.searchsorted(np.cumsum(lengths[: len(scan)]), int(np.argmax(cat < 0)), side="right"))
-    if first >= 0:
-        raise ValueError(
-            f"sample {first}: input_ids must be a non-empty 1-D array of ids >= 0 (shape {ids[first].shape})"
-        )
-    return ids, lengths, cat
+    raise ValueError(
+        f"sample {first}: input_ids must be a non-empty 1-D array of ids >= 0 (shape {ids[first].shape})"
+    )
 
 
 def tree_layout(samples: Sequence[TrainingSequence], share_across_groups: bool = True) -> TreeLayout:
     """The :class:`TreeLayout` of one row's samples (at least one, each non-empty; token ids >= 0): one trie per
     row (``share_across_groups``) or per group. A :class:`~asyncgrpo_cli.packing.trie.PlannedRow` (a row as the
     tree planner emitted it) brings its samples' placements under those rules; for any other sequence they are
-    computed here, to the same values.
-
-    Array operations over the whole row (``packing/tree_arrays.py``): each sample's placement (parent sample and
-    first own depth), its chunk's anchor, the depth-first order of the chunks, then every token's packed position
-    by gathers over cumulative sums. A row's trie is placed as one sub-trie per distinct first token (samples
-    with different first tokens share nothing), so a row without cross-group sharing costs what it did.
-    """
+    computed here, to the same values (one compiled insertion of the row, ``packing/trie.py``). A row's trie
+    has one sub-trie per distinct first token (samples with different first tokens share nothing), so a row
+    without cross-group sharing is laid out as with one trie per group."""
     if not samples:
         raise ValueError("cannot pack an empty row: the planner gives every rank at least one sample")
-    ids, lengths, cat = _check_ids(samples)
-    n = len(ids)
-    ends = np.cumsum(lengths)
-    starts = ends - lengths
+    lengths, cat = _check_ids(samples)
+    n = lengths.shape[0]
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
     first: dict[Hashable, int] = {}
     group = np.array([first.setdefault(group_key(s), len(first)) for s in samples], dtype=np.int64)
     placed = samples.placements_for(lengths, share_across_groups) if isinstance(samples, PlannedRow) else None
     if placed is not None:
         parent, own_from = placed
     else:
-        offsets = np.concatenate([[0], ends]).astype(np.int64)
         parent, own_from = placements(cat, offsets, np.zeros(n, np.int64) if share_across_groups else group)
-    chunks = np.flatnonzero(own_from < lengths)  # samples that place tokens, ascending
-    a = own_from[chunks] - 1  # the depth each chunk hangs below (-1: a root)
-    hung = np.flatnonzero(a >= 0)
-    anchor_sample = np.full(chunks.shape[0], -1, dtype=np.int64)
-    anchor_sample[hung] = owners(parent, own_from, parent[chunks[hung]], a[hung])
-    chunk_index = np.full(n, -1, dtype=np.int64)
-    chunk_index[chunks] = np.arange(chunks.shape[0])
-    anchor = np.where(anchor_sample >= 0, chunk_index[np.maximum(anchor_sample, 0)], -1)
-    order = preorder(anchor, np.maximum(a, 0), group[chunks])
-    placed = chunks[order]
-    sizes = lengths[placed] - own_from[placed]
-    chunk_ends = np.cumsum(sizes)
-    total = int(chunk_ends[-1])
-    chunk_start = np.zeros(n, dtype=np.int64)
-    chunk_start[placed] = chunk_ends - sizes
-    step = np.arange(total) - np.repeat(chunk_ends - sizes, sizes)  # index within the chunk
-    depth = np.repeat(own_from[placed], sizes) + step
-    input_ids = cat[np.repeat(starts[placed], sizes) + depth]
-    parent_pos = np.arange(-1, total - 1, dtype=np.int64)
-    head_anchor, head_a = anchor_sample[order], a[order]
-    parent_pos[chunk_start[placed]] = np.where(
-        head_anchor >= 0,
-        chunk_start[np.maximum(head_anchor, 0)] + head_a - own_from[np.maximum(head_anchor, 0)],
-        -1,
+    ids, depth, leave, seg_offsets, seg_parents, multiplicity, chunk_start = tree_arrays.layout(
+        cat, offsets, parent, own_from, group
     )
-    piece_start, piece_shift = path_pieces(parent, own_from, lengths, chunk_start)
-    offsets, seg_parents = _segments(parent_pos)
     return TreeLayout(
-        input_ids=input_ids,
+        input_ids=ids,
         position_ids=depth,
-        segment_offsets=offsets,
+        segment_offsets=seg_offsets,
         segment_parents=seg_parents,
-        leave=token_leave(offsets, seg_parents),
-        sample_offsets=np.concatenate([[0], ends]).astype(np.int64),
+        leave=leave,
+        multiplicity=multiplicity,
+        sample_offsets=offsets,
         flat_ids=cat,
-        piece_start=piece_start,
-        piece_shift=piece_shift,
+        parent=parent,
+        own_from=own_from,
+        chunk_start=chunk_start,
     )
-
-
-def _segments(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets, parents) of the segments of a pre-order row with token parents ``parent``: a segment starts at a
-    root, at a token not hanging below its left neighbour, and after a fork."""
-    total = parent.shape[0]
-    num_children = np.bincount(parent[parent >= 0], minlength=total)
-    new_segment = parent != np.arange(-1, total - 1)
-    new_segment[1:] |= num_children[:-1] >= 2
-    new_segment[0] = True
-    seg_starts = np.flatnonzero(new_segment)
-    seg_id = np.cumsum(new_segment) - 1
-    head_parent = parent[seg_starts]
-    seg_parents = np.where(head_parent >= 0, seg_id[np.maximum(head_parent, 0)], -1)
-    return np.append(seg_starts, total).astype(np.int64), seg_parents.astype(np.int64)
 
 
 @dataclass
@@ -225,7 +169,14 @@ class TreePacker:
     def pack(self, samples: Sequence[TrainingSequence]) -> TreeRow:
         """The packed row of ``samples`` (at least one, each non-empty)."""
         layout = tree_layout(samples, self.share_across_groups)
-        terms = gather_loss_terms(samples, layout.locate, layout.flat_ids)
+        _, masks, logprobs = row_arrays(samples)
+        mask = np.concatenate(masks).astype(np.bool_, copy=False).view(np.uint8)
+        flat, pred, owner, trained = tree_arrays.trained_terms(
+            layout.sample_offsets, layout.parent, layout.own_from, layout.chunk_start, mask
+        )
+        if flat.shape[0] and flat[0] < 0:
+            raise untrainable_first_token(-1 - int(flat[0]))
+        terms = loss_terms(samples, flat, pred, owner, trained, layout.flat_ids, logprobs)
         return TreeRow(
             input_ids=torch.from_numpy(layout.input_ids)[None],
             position_ids=torch.from_numpy(layout.position_ids)[None],

@@ -224,6 +224,28 @@ def _place_samples(
     return offsets.shape[0] - 1
 
 
+@njit(cache=True, nogil=True)
+def _count_set(flags: np.ndarray, ends: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+    """int64 [n]: how many of ``flags[ends[i - 1]:ends[i]]`` are non-zero (``ends[-1]`` read as 0)."""
+    out = np.zeros(ends.shape[0], dtype=np.int64)
+    start = 0
+    for i in range(ends.shape[0]):
+        for t in range(start, ends[i]):
+            out[i] += flags[t] != 0
+        start = ends[i]
+    return out
+
+
+def _trained(samples: list[TrainingSequence]) -> np.ndarray:
+    """int64 [n]: each sample's trained tokens (``num_trained``; one compiled count over the concatenated masks
+    when they are boolean)."""
+    masks = [s.train_mask for s in samples]
+    if not all(m.dtype is _BOOL for m in masks):
+        return np.array([s.num_trained for s in samples], dtype=np.int64)
+    ends = np.cumsum(np.fromiter(map(len, masks), _INT64, count=len(masks)))
+    return _count_set(np.concatenate(masks).view(np.uint8), ends)
+
+
 class TreeBudgetPlanner:
     """Group-affine bin packer over ``num_ranks`` rows bounded by ``token_budget`` unique and trained tokens."""
 
@@ -247,7 +269,6 @@ class TreeBudgetPlanner:
         # the waiting samples, with their ids, trained tokens and group numbers
         self._waiting: list[TrainingSequence] = []
         self._waiting_ids: list[np.ndarray] = []
-        self._waiting_trained: list[int] = []
         self._waiting_group: list[int] = []
         self._waiting_tokens = 0
         self._waiting_new: set[int] = set()  # groups first seen among the waiting samples
@@ -263,6 +284,8 @@ class TreeBudgetPlanner:
         self._home_room[: len(self._groups)] = -1
         self._groups.clear()
         self._rooms[:] = self.token_budget
+        self._room_min = self._room_max = self.token_budget
+        self._home_list: list[int] = []  # _home_room of the groups numbered at the last placement
         self._placed = self._stored = 0
 
     @property
@@ -286,8 +309,6 @@ class TreeBudgetPlanner:
                 self.token_budget,
             )
             return None
-        mask = sample.train_mask
-        trained = int(np.count_nonzero(mask)) if mask.dtype is _BOOL else sample.num_trained
         key = group_key(sample)
         groups = self._groups
         g = groups.get(key)
@@ -295,17 +316,17 @@ class TreeBudgetPlanner:
             g = groups[key] = len(groups)
         self._waiting.append(sample)
         self._waiting_ids.append(ids)
-        self._waiting_trained.append(trained)
         self._waiting_group.append(g)
-        need = self._waiting_tokens = self._waiting_tokens + max(length, trained)
-        home = int(self._home_room[g]) if g < self._home_room.shape[0] else -1
+        # at most its tokens or its mask's entries: bounds what it adds and trains
+        need = self._waiting_tokens = self._waiting_tokens + max(length, sample.train_mask.shape[0])
+        home = self._home_list[g] if g < len(self._home_list) else -1
         if home >= 0:  # it fits one of its group's rows whatever the waiting samples before it do
             room = home
         elif g in self._waiting_new:  # its group's first sample waits too: it may go to any row
-            room = int(self._rooms[0])
+            room = self._room_min
         else:  # a new group: the row with the most room fits it
             self._waiting_new.add(g)
-            room = int(self._rooms[1])
+            room = self._room_max
         if need <= room:
             return None
         return self._place_waiting()
@@ -326,7 +347,7 @@ class TreeBudgetPlanner:
             self._groups[key] = self._waiting_group[closed] = 0  # the first group of the next micro-batch
             if self._place(closed) != n:
                 raise RuntimeError("tree planner: a sample did not fit an empty micro-batch")
-        self._waiting, self._waiting_ids, self._waiting_trained, self._waiting_group = [], [], [], []
+        self._waiting, self._waiting_ids, self._waiting_group = [], [], []
         self._waiting_tokens = 0
         self._waiting_new.clear()
         return emitted
@@ -351,10 +372,12 @@ class TreeBudgetPlanner:
         assign = np.empty(n - start, dtype=np.int64)
         stop = start + _place(
             forest.nodes, forest.store, forest.meta, forest.counts, forest.walk, self._totals, self._homes,
-            np.concatenate(ids), offsets, np.array(self._waiting_trained[start:], dtype=np.int64),
+            np.concatenate(ids), offsets, _trained(self._waiting[start:]),
             np.array(self._waiting_group[start:], dtype=np.int64), 0, self.token_budget, self.share_across_groups,
             assign, self._rooms, self._home_room[:groups],
         )  # fmt: skip
+        self._room_min, self._room_max = self._rooms.tolist()
+        self._home_list = self._home_room[:groups].tolist()
         rows = self._rows
         for sample, rank in zip(self._waiting[start:stop], assign.tolist()):
             rows[rank].append(sample)

@@ -79,6 +79,10 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
     tr = cfg.trainer
     if tr.num_threads:
         torch.set_num_threads(tr.num_threads)
+    if tr.keep_host_memory:
+        from asyncgrpo_cli.host_memory import keep_freed_memory
+
+        keep_freed_memory()
     device = pick_device(tr.device)
     with ExitStack() as stack:
         info = init_distributed(device, tr.dist_timeout)

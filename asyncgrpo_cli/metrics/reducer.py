@@ -78,13 +78,20 @@ class MetricWindow:
     # -- recording -------------------------------------------------------------------------------------------
     def add(self, name: str, value: float) -> None:
         """Record one item (per rollout, sample, call or step)."""
-        self._check_kind(name, "items")
-        self._items.setdefault(name, []).append(float(value))
+        self._item_list(name).append(float(value))
 
     def extend(self, name: str, values: Iterable[float]) -> None:
         """Record several items at once (a list, tuple or 1-D numpy array)."""
-        self._check_kind(name, "items")
-        self._items.setdefault(name, []).extend(float(v) for v in values)
+        self._item_list(name).extend(float(v) for v in values)
+
+    def _item_list(self, name: str) -> list[float]:
+        """The items recorded under ``name`` (its kind checked when the window first sees it: the trainer adds
+        several items a sample)."""
+        items = self._items.get(name)
+        if items is None:
+            self._check_kind(name, "items")
+            items = self._items[name] = []
+        return items
 
     def add_rate(self, name: str, numerator: float, denominator: float) -> None:
         """Record a quantity and what it is per (tokens and seconds, failures and calls, sum and weight)."""

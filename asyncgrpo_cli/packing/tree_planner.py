@@ -65,6 +65,7 @@ from asyncgrpo_cli.samples import TrainingSequence
 
 logger = logging.getLogger(__name__)
 _INT64, _BOOL = np.dtype(np.int64), np.dtype(np.bool_)
+_NO_FLAGS, _NO_ENDS = np.zeros(0, dtype=np.uint8), np.zeros(0, dtype=np.int64)  # masks not boolean: _place
 # columns of the rows' running totals (``TreeBudgetPlanner._totals``)
 TOKENS, TRAINED, COST = range(3)
 
@@ -105,15 +106,24 @@ def _choose_new(
 
 @njit(cache=True, nogil=True)
 def _place(
-    nodes, store, meta, counts, walk, totals, homes, cat, offsets, trained, group, start, budget, share, assign,
-    rooms, home_room,
+    nodes, store, meta, counts, walk, totals, homes, cat, offsets, trained, flags, flag_ends, group, start, budget,
+    share, assign, rooms,
 ) -> int:  # pragma: no cover - compiled  # fmt: skip
     """Place samples ``start, start + 1, ...`` (ids ``cat[offsets[i]:offsets[i + 1]]``, group ``group[i]``) by the
     module docstring's rules into the rows' tries (``assign[i]``: the row), updating ``totals`` (per row: tokens,
     trained, cost) and ``homes`` (per group and row: its trie root, -1 none; 0 when the row shares one trie).
-    ``walk[r]`` holds the sample's probe of row r's trie (each rule probes the rows it considers). Returns the
-    index of the first sample no row may take (it closes the micro-batch; nothing of it is placed), or the number
-    of samples when every one was placed; then ``_rooms`` has filled ``rooms`` and ``home_room``."""
+    ``walk[r]`` holds the sample's probe of row r's trie (each rule probes the rows it considers). ``trained[i]``:
+    sample i's trained tokens, counted here first when ``flags`` holds the samples' boolean masks one after
+    another (sample i's ending at ``flag_ends[i]``). Returns the index of the first sample no row may take (it
+    closes the micro-batch; nothing of it is placed), or the number of samples when every one was placed; then
+    ``rooms[r]`` is row r's room: the budget minus its forwarded or trained tokens, whichever is larger."""
+    if flags.shape[0]:  # boolean masks, one after another: count each sample's trained tokens here
+        at = 0
+        for i in range(trained.shape[0]):
+            c = 0
+            for t in range(at, flag_ends[i]):
+                c += flags[t]
+            trained[i], at = c, flag_ends[i]
     stop = _place_samples(
         nodes,
         store,
@@ -131,26 +141,9 @@ def _place(
         share,
         assign,
     )
-    _rooms(totals, homes, budget, rooms, home_room)
+    for r in range(totals.shape[0]):
+        rooms[r] = budget - max(totals[r, TOKENS], totals[r, TRAINED])
     return stop
-
-
-@njit(cache=True, nogil=True)
-def _rooms(totals, homes, budget, rooms, home_room) -> None:  # pragma: no cover - compiled
-    """The bounds ``add`` defers samples under (module docstring), from the rows as placed now: ``rooms`` = (the
-    least, the most) room of any row (budget minus its forwarded or trained tokens, the larger); ``home_room[g]``
-    the most room among the rows holding group g (-1: none), for the first ``home_room.shape[0]`` groups."""
-    ranks = totals.shape[0]
-    room = np.empty(ranks, dtype=np.int64)
-    for r in range(ranks):
-        room[r] = budget - max(totals[r, TOKENS], totals[r, TRAINED])
-    rooms[0], rooms[1] = room.min(), room.max()
-    for g in range(home_room.shape[0]):
-        best = -1
-        for r in range(ranks):
-            if homes[g, r] >= 0 and room[r] > best:
-                best = room[r]
-        home_room[g] = best
 
 
 @njit(cache=True, nogil=True)
@@ -224,28 +217,6 @@ def _place_samples(
     return offsets.shape[0] - 1
 
 
-@njit(cache=True, nogil=True)
-def _count_set(flags: np.ndarray, ends: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
-    """int64 [n]: how many of ``flags[ends[i - 1]:ends[i]]`` are non-zero (``ends[-1]`` read as 0)."""
-    out = np.zeros(ends.shape[0], dtype=np.int64)
-    start = 0
-    for i in range(ends.shape[0]):
-        for t in range(start, ends[i]):
-            out[i] += flags[t] != 0
-        start = ends[i]
-    return out
-
-
-def _trained(samples: list[TrainingSequence]) -> np.ndarray:
-    """int64 [n]: each sample's trained tokens (``num_trained``; one compiled count over the concatenated masks
-    when they are boolean)."""
-    masks = [s.train_mask for s in samples]
-    if not all(m.dtype is _BOOL for m in masks):
-        return np.array([s.num_trained for s in samples], dtype=np.int64)
-    ends = np.cumsum(np.fromiter(map(len, masks), _INT64, count=len(masks)))
-    return _count_set(np.concatenate(masks).view(np.uint8), ends)
-
-
 class TreeBudgetPlanner:
     """Group-affine bin packer over ``num_ranks`` rows bounded by ``token_budget`` unique and trained tokens."""
 
@@ -263,14 +234,12 @@ class TreeBudgetPlanner:
         self._forest = Forest(num_ranks)
         self._totals = np.zeros((num_ranks, 3), dtype=np.int64)  # per row: TOKENS, TRAINED, COST
         self._homes = np.full((64, num_ranks), -1, dtype=np.int64)  # per group number and row: its trie root
-        self._home_room = np.full(64, -1, dtype=np.int64)  # per group number: _rooms
-        self._rooms = np.zeros(2, dtype=np.int64)  # the least and the most room of a row: _rooms
+        self._rooms = np.zeros(num_ranks, dtype=np.int64)  # per row: its room after the last placement
         self._groups: dict[Hashable, int] = {}  # this micro-batch's groups, numbered as they come
         # the waiting samples, with their ids, trained tokens and group numbers
         self._waiting: list[TrainingSequence] = []
         self._waiting_ids: list[np.ndarray] = []
         self._waiting_group: list[int] = []
-        self._waiting_tokens = 0
         self._waiting_new: set[int] = set()  # groups first seen among the waiting samples
         self._placed = self._stored = 0  # samples placed and tokens stored (at most) in the open micro-batch
         self._reset()
@@ -281,11 +250,17 @@ class TreeBudgetPlanner:
         self._forest.clear()
         self._totals[:] = 0
         self._homes[: len(self._groups)] = -1
-        self._home_room[: len(self._groups)] = -1
         self._groups.clear()
-        self._rooms[:] = self.token_budget
-        self._room_min = self._room_max = self.token_budget
-        self._home_list: list[int] = []  # _home_room of the groups numbered at the last placement
+        self._first: list[TrainingSequence] = []  # per group number: its first sample in this micro-batch
+        self._prefixes: dict[int, tuple[int, bytes]] = {}  # per group number: _prefix
+        self._slack = [
+            self.token_budget
+        ] * self.num_ranks  # per row: room less its own waiting samples' claims
+        self._claimed = 0  # claims of waiting samples that may go to any row
+        self._home_rows: dict[
+            int, list[int]
+        ] = {}  # per group number: the rows holding it (since the last placement)
+        self._placed_groups = 0  # groups numbered at the last placement
         self._placed = self._stored = 0
 
     @property
@@ -314,22 +289,67 @@ class TreeBudgetPlanner:
         g = groups.get(key)
         if g is None:
             g = groups[key] = len(groups)
+            self._first.append(sample)
         self._waiting.append(sample)
         self._waiting_ids.append(ids)
         self._waiting_group.append(g)
-        # at most its tokens or its mask's entries: bounds what it adds and trains
-        need = self._waiting_tokens = self._waiting_tokens + max(length, sample.train_mask.shape[0])
-        home = self._home_list[g] if g < len(self._home_list) else -1
-        if home >= 0:  # it fits one of its group's rows whatever the waiting samples before it do
-            room = home
-        elif g in self._waiting_new:  # its group's first sample waits too: it may go to any row
-            room = self._room_min
-        else:  # a new group: the row with the most room fits it
-            self._waiting_new.add(g)
-            room = self._room_max
-        if need <= room:
+        if self._may_wait(sample, ids, length, g):
             return None
         return self._place_waiting()
+
+    def _may_wait(self, sample: TrainingSequence, ids: np.ndarray, length: int, g: int) -> bool:
+        """Whether ``sample`` (just queued, of group number ``g``) cannot close the micro-batch whatever the rules
+        do with the samples waiting before it, claiming from the rows it may go to the most it can add to one.
+        Row r's unclaimed room is ``slack[r] - claimed``: its room less what the waiting samples that may go to
+        it alone, or to any row, can add (module docstring)."""
+        slack = self._slack
+        bound = max(length, sample.train_mask.shape[0])  # its tokens and trained tokens are at most this
+        rows = self._home_rows.get(g)
+        if rows is None and g < self._placed_groups:
+            rows = self._home_rows[g] = np.flatnonzero(self._homes[g] >= 0).tolist()
+        if rows:  # a group placed earlier: rule 1 takes it into one of its rows if one fits it
+            best = max(slack[r] for r in rows) - self._claimed
+            if best < bound and len(rows) == 1:
+                bound = self._prefix_bound(sample, ids, length, g, bound)
+            if best < bound:
+                return False
+            for r in rows:
+                slack[r] -= bound
+            return True
+        if g in self._waiting_new:  # its group's first sample waits too (and goes first): its row may be any
+            least = (
+                min(slack) - self._claimed
+            )  # row, the one row that will hold the group (rule 1 keeps it there)
+            if least < bound:
+                bound = self._prefix_bound(sample, ids, length, g, bound)
+            if least < bound:
+                return False
+        else:  # a new group: rule 3 takes it into any row that fits it
+            self._waiting_new.add(g)
+            if max(slack) - self._claimed < bound:
+                return False
+        self._claimed += bound
+        return True
+
+    def _prefix_bound(
+        self, sample: TrainingSequence, ids: np.ndarray, length: int, g: int, bound: int
+    ) -> int:
+        """A tighter ``bound`` for a sample of a group that one row will hold when its turn comes (the group's
+        first sample with it): when the sample starts with that first sample's untrained prefix (P tokens: a GRPO
+        group's prompt), it adds at most L - P + 1 tokens to the row (it shares P tokens there; a fork duplicates
+        one), and its trained tokens, counted."""
+        known = self._prefixes.get(g)
+        if known is None:
+            first = self._first[g]
+            head = np.flatnonzero(first.train_mask)
+            p = int(head[0]) if head.size else len(first)
+            known = self._prefixes[g] = (p, np.asarray(first.input_ids[:p], dtype=np.int64).tobytes())
+        p, prefix = known
+        if p == 0 or length <= p or ids[:p].tobytes() != prefix:
+            return bound
+        mask = sample.train_mask
+        trained = int(np.count_nonzero(mask)) if mask.dtype is _BOOL else sample.num_trained
+        return min(bound, max(length - p + 1, trained))
 
     def _place_waiting(self) -> MicroBatch | None:
         """Place the waiting samples (module docstring); the micro-batch the last one closed, if it did."""
@@ -345,10 +365,10 @@ class TreeBudgetPlanner:
             key = group_key(self._waiting[closed])
             emitted = self._emit()
             self._groups[key] = self._waiting_group[closed] = 0  # the first group of the next micro-batch
+            self._first.append(self._waiting[closed])
             if self._place(closed) != n:
                 raise RuntimeError("tree planner: a sample did not fit an empty micro-batch")
         self._waiting, self._waiting_ids, self._waiting_group = [], [], []
-        self._waiting_tokens = 0
         self._waiting_new.clear()
         return emitted
 
@@ -359,25 +379,34 @@ class TreeBudgetPlanner:
         if groups > self._homes.shape[0]:
             homes = np.full((2 * groups, self.num_ranks), -1, dtype=np.int64)
             homes[: self._homes.shape[0]] = self._homes
-            self._homes, self._home_room = homes, np.full(2 * groups, -1, dtype=np.int64)
-        forest = self._forest
+            self._homes = homes
+        forest, k = self._forest, n - start
         ids = self._waiting_ids[start:]
-        offsets = np.zeros(n - start + 1, dtype=np.int64)
-        np.cumsum(np.fromiter(map(len, ids), _INT64, count=n - start), out=offsets[1:])
-        self._placed += n - start
+        offsets = np.zeros(k + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, ids), _INT64, count=k), out=offsets[1:])
+        self._placed += k
         self._stored = min(
             self._stored + int(offsets[-1]), self.token_budget
         )  # a row's trie stores <= its tokens
         forest.reserve(self._placed, self._stored)
-        assign = np.empty(n - start, dtype=np.int64)
+        masks = [s.train_mask for s in self._waiting[start:]]
+        trained = np.empty(k, dtype=np.int64)
+        if all(m.dtype is _BOOL for m in masks):  # counted by the kernel
+            flags = np.concatenate(masks).view(np.uint8)
+            flag_ends = np.cumsum(np.fromiter(map(len, masks), _INT64, count=k))
+        else:
+            trained[:] = [s.num_trained for s in self._waiting[start:]]
+            flags, flag_ends = _NO_FLAGS, _NO_ENDS
+        assign = np.empty(k, dtype=np.int64)
         stop = start + _place(
             forest.nodes, forest.store, forest.meta, forest.counts, forest.walk, self._totals, self._homes,
-            np.concatenate(ids), offsets, _trained(self._waiting[start:]),
+            np.concatenate(ids), offsets, trained, flags, flag_ends,
             np.array(self._waiting_group[start:], dtype=np.int64), 0, self.token_budget, self.share_across_groups,
-            assign, self._rooms, self._home_room[:groups],
+            assign, self._rooms,
         )  # fmt: skip
-        self._room_min, self._room_max = self._rooms.tolist()
-        self._home_list = self._home_room[:groups].tolist()
+        self._slack, self._claimed = self._rooms.tolist(), 0
+        self._home_rows = {}
+        self._placed_groups = groups
         rows = self._rows
         for sample, rank in zip(self._waiting[start:stop], assign.tolist()):
             rows[rank].append(sample)

@@ -8,6 +8,7 @@ the trainer side takes it through the trainer's own reader (``sample_batch.Queue
 between the two ways (A B B A ...). Reported per way, medians over its rounds: the trainer thread's CPU time per
 sample (``time.thread_time``: unpickling, pipe reads, locks; waiting excluded), the wall time per sample of the
 whole round, the producer's CPU time per sample (its queue's feeder thread pickles), and the trainer's page faults.
+The trainer side keeps freed host memory, as the trainer does (``trainer.keep_host_memory``).
 
 Usage: asyncgrpo bench transport [samples=2000] [group_size=16] [prompt_len=256] [completion_len=16] [topk=8]
        [rounds=6] [seed=0]
@@ -75,6 +76,7 @@ def main(argv: list[str]) -> None:
     import multiprocessing as mp
 
     from asyncgrpo_cli.bench.args import parse_key_values
+    from asyncgrpo_cli.host_memory import keep_freed_memory
     from asyncgrpo_cli.sample_batch import QueueReader
 
     opts, errors = parse_key_values(TransportOptions, argv)
@@ -82,6 +84,7 @@ def main(argv: list[str]) -> None:
         raise UserError("asyncgrpo bench transport: " + "; ".join(errors))
     if opts.samples < 1 or opts.group_size < 1 or opts.rounds < 2:
         raise UserError("asyncgrpo bench transport: samples and group_size must be >= 1, rounds >= 2")
+    keep_freed_memory()  # the trainer's setting (trainer.keep_host_memory)
     ctx = mp.get_context("spawn")
     commands, items, costs = ctx.Queue(), ctx.Queue(), ctx.Queue()
     producer = ctx.Process(target=_producer, args=(opts, commands, items, costs), daemon=True)

@@ -124,47 +124,6 @@ def _place(
             for t in range(at, flag_ends[i]):
                 c += flags[t]
             trained[i], at = c, flag_ends[i]
-    stop = _place_samples(
-        nodes,
-        store,
-        meta,
-        counts,
-        walk,
-        totals,
-        homes,
-        cat,
-        offsets,
-        trained,
-        group,
-        start,
-        budget,
-        share,
-        assign,
-    )
-    for r in range(totals.shape[0]):
-        rooms[r] = budget - max(totals[r, TOKENS], totals[r, TRAINED])
-    return stop
-
-
-@njit(cache=True, nogil=True)
-def _place_samples(
-    nodes,
-    store,
-    meta,
-    counts,
-    walk,
-    totals,
-    homes,
-    cat,
-    offsets,
-    trained,
-    group,
-    start,
-    budget,
-    share,
-    assign,
-) -> int:  # pragma: no cover - compiled
-    """:func:`_place`'s placement loop."""
     ranks = totals.shape[0]
     candidates = np.zeros(ranks, dtype=np.bool_)
     for i in range(start, offsets.shape[0] - 1):
@@ -203,6 +162,7 @@ def _place_samples(
                 nodes, store, counts, walk, totals, homes, ids, g, tr, budget, share, candidates, -1
             )
         if rank < 0:
+            _rooms(totals, budget, rooms)
             return i
         root = _trie_root(counts[:, NODES], homes, g, rank, share)
         if root < 0:  # the row has no trie this sample joins: a new one (else the rules probed the row's)
@@ -214,7 +174,15 @@ def _place_samples(
         totals[rank, TRAINED] += tr
         totals[rank, COST] += (length * (length + 1) - own * (own + 1)) // 2
         assign[i] = rank
+    _rooms(totals, budget, rooms)
     return offsets.shape[0] - 1
+
+
+@njit(cache=True, nogil=True)
+def _rooms(totals: np.ndarray, budget: int, rooms: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``rooms[r]``: row r's room, the budget minus its forwarded or trained tokens, whichever is larger."""
+    for r in range(totals.shape[0]):
+        rooms[r] = budget - max(totals[r, TOKENS], totals[r, TRAINED])
 
 
 class TreeBudgetPlanner:

@@ -42,13 +42,23 @@ empty row, and rules 2-3 use an empty row before emitting. A sample longer than 
 counted in ``dropped_oversize_count``.
 
 How it runs: the rules are a compiled kernel (:func:`_place`) over the tries' arrays, and a compiled call costs
-about as much as deciding a sample, so ``add`` defers samples it need not decide yet. While the samples waiting
-add up to at most the room left in the fullest row (``budget`` minus its forwarded or trained tokens, whichever
-is larger), every one of them fits every row whatever the rules choose, so none can close the micro-batch and
-``add`` only queues it. The sample that breaks that bound places them all, in arrival order, in one kernel call;
-only that last one can close the micro-batch, which ``add`` then returns as before. The micro-batches are the
-ones deciding each sample on arrival gives (``tests/test_planning_vectorized.py``), at ~1 us a sample
-(``asyncgrpo bench planning``) instead of the ~6 us of a Python trie walk per sample.
+about as much as deciding a sample in Python, so ``add`` defers the samples that cannot close the micro-batch,
+whatever the rules do with the samples deferred before them, and places them later, in arrival order, in one
+call. A row's *room* is ``budget`` minus its forwarded or trained tokens, whichever is larger. Each deferred
+sample claims, from the rows it may go to, the most it can add to one (its length, and trained tokens, at most
+its length; a sample that starts with its group's first sample's untrained prefix of P tokens adds at most
+L - P + 1 tokens to the row holding that sample). A sample may be deferred when its claim fits the unclaimed
+room of:
+
+  - one of its group's rows, for a group placed earlier (rule 1 then takes it into one of them; it claims from
+    each of them);
+  - every row, for a group whose first sample is deferred too (the one row that will hold the group may be any;
+    it claims from every row);
+  - some row, for a new group (rule 3 takes it into one that fits; it claims from every row).
+
+The first sample that may not be deferred places them all; only it can close the micro-batch, which ``add`` then
+returns as before. The micro-batches are the ones deciding every sample on arrival gives, at the same ``add``
+calls (``tests/test_tree_planner.py``), at ~3 us a sample instead of ~6-11 (``asyncgrpo bench planning``).
 """
 
 from __future__ import annotations
@@ -220,14 +230,11 @@ class TreeBudgetPlanner:
         self._homes[: len(self._groups)] = -1
         self._groups.clear()
         self._first: list[TrainingSequence] = []  # per group number: its first sample in this micro-batch
-        self._prefixes: dict[int, tuple[int, bytes]] = {}  # per group number: _prefix
-        self._slack = [
-            self.token_budget
-        ] * self.num_ranks  # per row: room less its own waiting samples' claims
+        self._prefixes: dict[int, tuple[int, bytes]] = {}  # per group number: _prefix_bound
+        # per row: its room less the claims of waiting samples that may go to it alone (rows holding their group)
+        self._slack = [self.token_budget] * self.num_ranks
         self._claimed = 0  # claims of waiting samples that may go to any row
-        self._home_rows: dict[
-            int, list[int]
-        ] = {}  # per group number: the rows holding it (since the last placement)
+        self._home_rows: dict[int, list[int]] = {}  # per group number: its rows (since the last placement)
         self._placed_groups = 0  # groups numbered at the last placement
         self._placed = self._stored = 0
 
@@ -284,10 +291,8 @@ class TreeBudgetPlanner:
             for r in rows:
                 slack[r] -= bound
             return True
-        if g in self._waiting_new:  # its group's first sample waits too (and goes first): its row may be any
-            least = (
-                min(slack) - self._claimed
-            )  # row, the one row that will hold the group (rule 1 keeps it there)
+        if g in self._waiting_new:  # its group's first sample waits too and goes first: the one row that will
+            least = min(slack) - self._claimed  # hold the group (rule 1 keeps it there) may be any row
             if least < bound:
                 bound = self._prefix_bound(sample, ids, length, g, bound)
             if least < bound:

@@ -465,6 +465,12 @@ def test_bench_planning_prints_every_case(capsys):
         "tree / fixed count",
     ):
         assert f"| {case} |" in out
+    main(["samples=32", "repeats=2", "token_budget=512", "host_memory=both"])  # both settings, alternating
+    out = capsys.readouterr().out
+    for case in ("tree / token budget (kept memory)", "tree / token budget (returned memory)"):
+        assert f"| {case} |" in out
+    with pytest.raises(UserError, match="host_memory='x': one of keep, return, both"):
+        parse_options(["host_memory=x"])
     with pytest.raises(UserError, match="KEY in samples, group_size"):
         parse_options(["budget=4"])
     with pytest.raises(UserError, match="repeats='x' is not an integer"):

@@ -208,9 +208,8 @@ def main(argv: list[str]) -> None:
         _set_host_memory(modes[0])
         run_case(packer, planner, samples)  # warm-up
         times: dict[str, list[tuple[float, float, int]]] = {m: [] for m in modes}
-        for r in range(
-            opts.repeats
-        ):  # with both settings: A B B A ..., each repeat's rows freed before the next
+        # with both settings: A B B A ...; each repeat's rows are freed before the next
+        for r in range(opts.repeats):
             for mode in modes if r % 2 == 0 else modes[::-1]:
                 _set_host_memory(mode)
                 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

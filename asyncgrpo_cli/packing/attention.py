@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from numba import njit
 
 FLEX_BLOCK_SIZE = 128
 """Sparse block size of the flex BlockMask (flex's default)."""
@@ -56,24 +57,30 @@ def check_segments(offsets: np.ndarray, parents: np.ndarray) -> None:
         raise ValueError("every segment's parent must be -1 or an earlier segment (pre-order)")
 
 
+@njit(cache=True, nogil=True)
+def subtree_spans(offsets: np.ndarray, parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(end, size) int64 [S] of each segment's subtree: the largest end and the total length of the segments below
+    it, itself included. Parents precede their children, so one backward pass hands every segment's to its parent
+    after all of its own descendants have (compiled: the tree packer's layout calls it per row)."""
+    end = offsets[1:].copy()
+    size = offsets[1:] - offsets[:-1]
+    for g in range(parents.shape[0] - 1, -1, -1):
+        up = parents[g]
+        if up >= 0:
+            end[up] = max(end[up], end[g])
+            size[up] += size[g]
+    return end, size
+
+
 def segment_leave(offsets: np.ndarray, parents: np.ndarray) -> np.ndarray:
     """int64 [S]: end (exclusive) of each segment's subtree: the largest end of a segment below it (itself
-    included). Every segment hands its end and size to all its ancestors, one array pass per tree level.
+    included; :func:`subtree_spans`).
 
     Raises ValueError when a subtree is not contiguous (the layout is not depth-first).
     """
     check_segments(offsets, parents)
-    ends = offsets[1:].astype(np.int64, copy=True)
-    own = np.diff(offsets).astype(np.int64)
-    leave, size = ends.copy(), own.copy()
-    up = parents.astype(np.int64, copy=True)
-    todo = np.flatnonzero(up >= 0)
-    while todo.size:  # per tree level, not per segment
-        anc = up[todo]
-        np.maximum.at(leave, anc, ends[todo])
-        np.add.at(size, anc, own[todo])
-        up[todo] = parents[anc]
-        todo = todo[up[todo] >= 0]
+    offsets = offsets.astype(np.int64, copy=False)
+    leave, size = subtree_spans(offsets, parents.astype(np.int64, copy=False))
     if (leave - offsets[:-1] != size).any():
         raise ValueError("segment subtrees are not contiguous: the row is not laid out depth-first")
     return leave

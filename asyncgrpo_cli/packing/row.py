@@ -282,20 +282,19 @@ def _gather_extras(samples: Sequence[TrainingSequence], trained: np.ndarray) -> 
     return out
 
 
-def row_arrays(samples: Sequence[TrainingSequence]) -> tuple[np.ndarray, list, list]:
-    """(lengths int64 [n], train masks, sampler log-probs) of a row's samples; ValueError naming the first sample
-    whose mask or log-probs do not have one entry per input id."""
+def row_arrays(samples: Sequence[TrainingSequence], lengths: np.ndarray) -> tuple[list, list]:
+    """(train masks, sampler log-probs) of a row's samples, whose ``input_ids`` have ``lengths``; ValueError
+    naming the first sample whose mask or log-probs do not have one entry per input id."""
     n = len(samples)
     masks = [s.train_mask for s in samples]
     logprobs = [s.sampler_logprobs for s in samples]
-    lengths = np.fromiter((s.input_ids.shape[0] for s in samples), dtype=np.int64, count=n)
     for name, arrays in (("train_mask", masks), ("sampler_logprobs", logprobs)):
         other = np.fromiter(map(len, arrays), dtype=np.int64, count=n)
         if (bad := np.flatnonzero(other != lengths)).size:
             raise ValueError(
                 f"sample {bad[0]}: {name} has {other[bad[0]]} entries for {lengths[bad[0]]} input ids"
             )
-    return lengths, masks, logprobs
+    return masks, logprobs
 
 
 def untrainable_first_token(sample: int) -> ValueError:
@@ -319,7 +318,8 @@ def gather_loss_terms(
     the flat trained positions, so the cost is a few array operations per row plus attribute reads per sample.
     """
     n = len(samples)
-    lengths, masks, logprobs = row_arrays(samples)
+    lengths = np.fromiter((s.input_ids.shape[0] for s in samples), dtype=np.int64, count=n)
+    masks, logprobs = row_arrays(samples, lengths)
     ends = np.cumsum(lengths)
     flat = np.flatnonzero(np.concatenate(masks)) if n else np.zeros(0, np.int64)
     owner = np.searchsorted(ends, flat, side="right")

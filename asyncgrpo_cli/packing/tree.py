@@ -169,13 +169,13 @@ class TreePacker:
     def pack(self, samples: Sequence[TrainingSequence]) -> TreeRow:
         """The packed row of ``samples`` (at least one, each non-empty)."""
         layout = tree_layout(samples, self.share_across_groups)
-        _, masks, logprobs = row_arrays(samples)
+        masks, logprobs = row_arrays(samples, np.diff(layout.sample_offsets))
         mask = np.concatenate(masks).astype(np.bool_, copy=False).view(np.uint8)
-        flat, pred, owner, trained = tree_arrays.trained_terms(
+        flat, pred, owner, trained, bad = tree_arrays.trained_terms(
             layout.sample_offsets, layout.parent, layout.own_from, layout.chunk_start, mask
         )
-        if flat.shape[0] and flat[0] < 0:
-            raise untrainable_first_token(-1 - int(flat[0]))
+        if bad >= 0:
+            raise untrainable_first_token(bad)
         terms = loss_terms(samples, flat, pred, owner, trained, layout.flat_ids, logprobs)
         return TreeRow(
             input_ids=torch.from_numpy(layout.input_ids)[None],

@@ -13,12 +13,15 @@ also locate every trained token's predecessor.
 Why compiled (numba): each step is a loop over chunks or tokens with a parent walk or a stack. As numpy passes
 over the whole row they took ~1.7 us a sample (a lexsort over root-to-chunk key paths, one pass per tree level
 for the anchors, pieces and subtrees); compiled, the whole row takes ~0.2 us a sample (``docs/benchmarks.md``).
+Subtree ends are ``attention.subtree_spans``, the same pass ``attention.segment_leave`` checks segments with.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
+
+from asyncgrpo_cli.packing.attention import subtree_spans
 
 
 @njit(cache=True, nogil=True)
@@ -120,12 +123,8 @@ def layout(
     for g in range(num_seg):
         head = parent_pos[segment_offsets[g]]
         segment_parents[g] = -1 if head < 0 else seg_of[head]
-    # 4. leave: each segment's subtree ends where its last descendant does (pre-order: descendants follow it)
-    sub_end = segment_offsets[1:].copy()
-    for g in range(num_seg - 1, -1, -1):
-        up = segment_parents[g]
-        if up >= 0 and sub_end[g] > sub_end[up]:
-            sub_end[up] = sub_end[g]
+    # 4. leave: each segment's subtree ends where its last descendant does
+    sub_end, _ = subtree_spans(segment_offsets, segment_parents)
     leave = np.empty(total, dtype=np.int64)
     for p in range(total):
         leave[p] = sub_end[seg_of[p]]
@@ -147,16 +146,16 @@ def layout(
 def trained_terms(
     offsets: np.ndarray, parent: np.ndarray, own_from: np.ndarray, chunk_start: np.ndarray, mask: np.ndarray
 ):  # pragma: no cover - compiled
-    """(flat, pred_index, sample_index, trained) of the row's trained tokens (``mask`` one byte a token, the
+    """(flat, pred_index, sample_index, trained, bad) of the row's trained tokens (``mask`` one byte a token, the
     samples' masks one after another): each trained token's flat index, its predecessor's packed position, its
-    sample; per sample its count. ``flat[0] = -1 - s`` and nothing else when sample s trains its token 0 (it has
-    no predecessor: the caller names it)."""
+    sample; per sample its count. ``bad``: the first sample that trains its token 0 (it has no predecessor: the
+    caller names it; the arrays are then empty), else -1."""
     n = offsets.shape[0] - 1
     count = 0
     for s in range(n):
         if offsets[s + 1] > offsets[s] and mask[offsets[s]] != 0:
-            out = np.full(1, -1 - s, dtype=np.int64)
-            return out, out, out, np.zeros(n, dtype=np.int64)
+            none = np.zeros(0, dtype=np.int64)
+            return none, none, none, np.zeros(n, dtype=np.int64), s
     for t in range(offsets[n]):
         count += mask[t] != 0
     flat = np.empty(count, dtype=np.int64)
@@ -190,7 +189,7 @@ def trained_terms(
                 k += 1
     for i in range(count):
         trained[owner[i]] += 1
-    return flat, pred, owner, trained
+    return flat, pred, owner, trained, -1
 
 
 @njit(cache=True, nogil=True)

@@ -172,7 +172,7 @@ def _place(
                 nodes, store, counts, walk, totals, homes, ids, g, tr, budget, share, candidates, -1
             )
         if rank < 0:
-            _rooms(totals, budget, rooms)
+            _fill_rooms(totals, budget, rooms)
             return i
         root = _trie_root(counts[:, NODES], homes, g, rank, share)
         if root < 0:  # the row has no trie this sample joins: a new one (else the rules probed the row's)
@@ -184,12 +184,12 @@ def _place(
         totals[rank, TRAINED] += tr
         totals[rank, COST] += (length * (length + 1) - own * (own + 1)) // 2
         assign[i] = rank
-    _rooms(totals, budget, rooms)
+    _fill_rooms(totals, budget, rooms)
     return offsets.shape[0] - 1
 
 
 @njit(cache=True, nogil=True)
-def _rooms(totals: np.ndarray, budget: int, rooms: np.ndarray) -> None:  # pragma: no cover - compiled
+def _fill_rooms(totals: np.ndarray, budget: int, rooms: np.ndarray) -> None:  # pragma: no cover - compiled
     """``rooms[r]``: row r's room, the budget minus its forwarded or trained tokens, whichever is larger."""
     for r in range(totals.shape[0]):
         rooms[r] = budget - max(totals[r, TOKENS], totals[r, TRAINED])
@@ -219,7 +219,6 @@ class TreeBudgetPlanner:
         self._waiting_ids: list[np.ndarray] = []
         self._waiting_group: list[int] = []
         self._waiting_new: set[int] = set()  # groups first seen among the waiting samples
-        self._placed = self._stored = 0  # samples placed and tokens stored (at most) in the open micro-batch
         self._reset()
 
     def _reset(self) -> None:
@@ -236,7 +235,7 @@ class TreeBudgetPlanner:
         self._claimed = 0  # claims of waiting samples that may go to any row
         self._home_rows: dict[int, list[int]] = {}  # per group number: its rows (since the last placement)
         self._placed_groups = 0  # groups numbered at the last placement
-        self._placed = self._stored = 0
+        self._placed = self._stored = 0  # samples placed and tokens stored (at most) in the open micro-batch
 
     @property
     def num_open_samples(self) -> int:
@@ -358,9 +357,8 @@ class TreeBudgetPlanner:
         offsets = np.zeros(k + 1, dtype=np.int64)
         np.cumsum(np.fromiter(map(len, ids), _INT64, count=k), out=offsets[1:])
         self._placed += k
-        self._stored = min(
-            self._stored + int(offsets[-1]), self.token_budget
-        )  # a row's trie stores <= its tokens
+        # a row's trie stores at most its forwarded tokens
+        self._stored = min(self._stored + int(offsets[-1]), self.token_budget)
         forest.reserve(self._placed, self._stored)
         masks = [s.train_mask for s in self._waiting[start:]]
         trained = np.empty(k, dtype=np.int64)

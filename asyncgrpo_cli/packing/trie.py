@@ -194,9 +194,7 @@ def commit(
     m, node, child, parent, own = walk[W_M], walk[W_NODE], walk[W_CHILD], walk[W_PARENT], walk[W_OWN]
     j = counts[SAMPLES]
     if m < length:  # a contained sample changes nothing
-        if (
-            child != -1
-        ):  # split the edge into ``child`` at depth m: ``child`` keeps [start, m), ``low`` the rest
+        if child != -1:  # split the edge into ``child`` at m: ``child`` keeps [start, m), ``low`` the rest
             low = counts[NODES]
             counts[NODES] = low + 1
             start = nodes[child, START]

@@ -469,7 +469,7 @@ class AsyncRolloutLoop:
         now = time.time()
         for s in scored.samples:
             s.enqueued_at = now
-        if scored.samples:  # one message for the group (``sample_batch.py``: ~10x cheaper for the trainer)
+        if scored.samples:  # one message for the group (``sample_batch.py``: ~3x less trainer CPU)
             self.shared.samples_put.value += len(scored.samples)
             self.shared.rollout_buffer.put(SampleBatch(scored.samples))
         tokens = sum(len(s) for s in scored.samples)

@@ -124,12 +124,13 @@ def _decode(
     rest: list[tuple],
 ) -> SampleBatch:
     """The batch :func:`_encode` described: samples whose arrays are views of the columns."""
-    (ids, ids_at), (mask, mask_at), (lps, lps_at) = core
+    (ids, ids_at), (mask, mask_at), (lps, lps_at) = ((_canonical(c), at) for c, at in core)
     if extras is None:
         token_extras = per_sample_extras
     else:
         token_extras = [{} for _ in range(n)]
         for name, kind, columns, others in extras:
+            columns = {f: (_canonical(col), at) for f, (col, at) in columns.items()}
             for i in range(n):
                 kwargs = {f: col[at[i] : at[i + 1]] for f, (col, at) in columns.items()}
                 for f, values in others.items():
@@ -149,6 +150,16 @@ def _decode(
             for i, r in enumerate(rest)
         ]
     )
+
+
+def _canonical(column: np.ndarray) -> np.ndarray:
+    """``column`` with numpy's own dtype object for its type: an unpickled array carries a dtype equal to
+    ``np.dtype(np.bool_)`` but not that object, and fast paths test a dtype by identity (the tree planner counts a
+    boolean mask's trained tokens in its kernel only then). A dtype numpy has no such object for stays."""
+    dtype = column.dtype
+    if dtype.kind not in "biufc" or (own := np.dtype(dtype.type)) is dtype or own != dtype:
+        return column
+    return column.view(own)
 
 
 class QueueReader:

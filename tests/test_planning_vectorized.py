@@ -455,9 +455,18 @@ def test_bench_planning_prints_every_case(capsys):
     from asyncgrpo_cli.bench.planning import main, parse_options
     from asyncgrpo_cli.errors import UserError
 
+    def plans(out: str) -> list[list[str]]:  # case, micro-batches, rows, forwarded tokens
+        return [
+            line.split("|")[1:5] for line in out.splitlines() if line.startswith(("| sequence", "| tree"))
+        ]
+
     main(["samples=64", "repeats=1", "token_budget=512"])
     out = capsys.readouterr().out
-    assert "64 samples in groups of 16" in out
+    assert "64 samples in groups of 16" in out and "as the rollout queue delivers them" in out
+    # the same plans from the arrays as built
+    main(["samples=64", "repeats=1", "token_budget=512", "transport=plain"])
+    plain = capsys.readouterr().out
+    assert "built in place" in plain and plans(plain) == plans(out) and len(plans(out)) == 4
     for case in (
         "sequence / token budget",
         "sequence / fixed count",
@@ -471,6 +480,8 @@ def test_bench_planning_prints_every_case(capsys):
         assert f"| {case} |" in out
     with pytest.raises(UserError, match="host_memory='x': one of keep, return, both"):
         parse_options(["host_memory=x"])
+    with pytest.raises(UserError, match="transport='queue': one of batch, plain"):
+        parse_options(["transport=queue"])
     with pytest.raises(UserError, match="KEY in samples, group_size"):
         parse_options(["budget=4"])
     with pytest.raises(UserError, match="repeats='x' is not an integer"):

@@ -8,6 +8,9 @@ and one in 16 repeats an earlier one exactly, so tries fork below the prompt too
 trained, with sampler log-probs and a ``sampler_topk`` extra of width ``topk`` (the default loss's).
 ``system_len=S`` puts one S-token system prompt before every group's prompt (shared across groups: one trie per
 row shares it, ``share=0`` runs the tree cases with one trie per group, ``packing.share_across_groups=false``).
+``transport=batch`` (default) hands the planner the samples as the trainer's rollout reader does: each group
+pickled as one ``SampleBatch`` and read back, so every sample's arrays are views of its group's columns, with
+unpickled dtypes; ``transport=plain`` hands it the arrays as built.
 
 For each packer (sequence, tree) and planner (its token-budget planner, and the fixed-count planner of
 ``packing.token_budget <= 0`` with ``samples / rows`` samples per row), one repeat plans the whole step
@@ -23,7 +26,7 @@ goes back to the kernel and each row faults fresh pages in; ``both`` alternates 
 
 Usage: asyncgrpo bench planning [samples=2000] [group_size=16] [prompt_len=16] [completion_len=16] [topk=8]
        [token_budget=16384] [ranks=1] [rows=4] [repeats=5] [seed=0] [profile=0] [system_len=0] [share=1]
-       [host_memory=keep|return|both]
+       [host_memory=keep|return|both] [transport=batch|plain]
 ``profile=N`` prints the N most expensive functions (cProfile, cumulative) of one repeat of each case instead.
 """
 
@@ -56,14 +59,15 @@ class Options:
     system_len: int = 0
     share: int = 1
     host_memory: str = "keep"
+    transport: str = "batch"
 
 
-HOST_MEMORY = ("keep", "return", "both")
+CHOICES = {"host_memory": ("keep", "return", "both"), "transport": ("batch", "plain")}
 
 
 def parse_options(argv: list[str]) -> Options:
-    """``key=value`` arguments into :class:`Options` (integers, and ``host_memory``); unknown keys and bad values
-    name the key."""
+    """``key=value`` arguments into :class:`Options` (integers, and the choices of ``CHOICES``); unknown keys and
+    bad values name the key."""
     opts = Options()
     names = [f.name for f in fields(Options)]
     for arg in argv:
@@ -72,12 +76,12 @@ def parse_options(argv: list[str]) -> Options:
             raise UserError(
                 f"asyncgrpo bench planning: expected KEY=VALUE with KEY in {', '.join(names)}, got {arg!r}"
             )
-        if key == "host_memory":
-            if value not in HOST_MEMORY:
+        if key in CHOICES:
+            if value not in CHOICES[key]:
                 raise UserError(
-                    f"asyncgrpo bench planning: host_memory={value!r}: one of {', '.join(HOST_MEMORY)}"
+                    f"asyncgrpo bench planning: {key}={value!r}: one of {', '.join(CHOICES[key])}"
                 )
-            opts.host_memory = value
+            setattr(opts, key, value)
             continue
         try:
             setattr(opts, key, int(value))
@@ -135,6 +139,21 @@ def make_step(opts: Options, vocab: int = 32000) -> list:
     return out
 
 
+def as_received(samples: list, group_size: int) -> list:
+    """``samples`` as the trainer's rollout reader hands them out: each group pickled as one ``SampleBatch`` and
+    read back (``sample_batch.py``), so their arrays are views of the group's columns, with unpickled dtypes."""
+    import pickle
+
+    from asyncgrpo_cli.sample_batch import SampleBatch
+
+    g = max(1, group_size)
+    return [
+        s
+        for i in range(0, len(samples), g)
+        for s in pickle.loads(pickle.dumps(SampleBatch(samples[i : i + g]))).samples
+    ]
+
+
 def plan(planner: Any, samples: list) -> list:
     """Every micro-batch ``planner`` emits for ``samples``, the final flush included."""
     batches = [mb for s in samples if (mb := planner.add(s)) is not None]
@@ -181,11 +200,14 @@ def main(argv: list[str]) -> None:
     if opts.samples < 1 or opts.repeats < 1 or opts.rows < 1 or opts.ranks < 1:
         raise UserError("asyncgrpo bench planning: samples, repeats, rows and ranks must be >= 1")
     samples = make_step(opts)
+    if opts.transport == "batch":
+        samples = as_received(samples, opts.group_size)
     n = len(samples)
+    source = "as the rollout queue delivers them" if opts.transport == "batch" else "built in place"
     print(
         f"{n} samples in groups of {opts.group_size}, Σ L = {sum(map(len, samples))} tokens, "
         f"{sum(s.num_trained for s in samples)} trained, top-k {opts.topk}; token_budget {opts.token_budget}, "
-        f"{opts.ranks} rank(s); {platform.processor() or platform.machine()}, numpy {np.__version__}"
+        f"{opts.ranks} rank(s), samples {source}; {platform.processor() or platform.machine()}, numpy {np.__version__}"
     )
     if opts.profile:
         import cProfile

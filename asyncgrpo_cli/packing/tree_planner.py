@@ -244,7 +244,7 @@ class TreeBudgetPlanner:
     def add(self, sample: TrainingSequence) -> MicroBatch | None:
         """Place ``sample``; return the micro-batch it closed, if any (then the sample opens the next one)."""
         ids = sample.input_ids
-        if ids.dtype is not _INT64:
+        if ids.dtype != _INT64:
             ids = np.asarray(ids, dtype=np.int64)
         length = int(ids.shape[0])
         if length == 0:
@@ -320,7 +320,7 @@ class TreeBudgetPlanner:
         if p == 0 or length <= p or ids[:p].tobytes() != prefix:
             return bound
         mask = sample.train_mask
-        trained = int(np.count_nonzero(mask)) if mask.dtype is _BOOL else sample.num_trained
+        trained = int(np.count_nonzero(mask)) if mask.dtype == _BOOL else sample.num_trained
         return min(bound, max(length - p + 1, trained))
 
     def _place_waiting(self) -> MicroBatch | None:
@@ -362,7 +362,8 @@ class TreeBudgetPlanner:
         forest.reserve(self._placed, self._stored)
         masks = [s.train_mask for s in self._waiting[start:]]
         trained = np.empty(k, dtype=np.int64)
-        if all(m.dtype is _BOOL for m in masks):  # counted by the kernel
+        # counted by the kernel (``==``: an unpickled array's dtype is equal to numpy's, not the same object)
+        if all(m.dtype == _BOOL for m in masks):
             flags = np.concatenate(masks).view(np.uint8)
             flag_ends = np.cumsum(np.fromiter(map(len, masks), _INT64, count=k))
         else:

@@ -412,6 +412,7 @@ def _bench(args: list[str]) -> None:
         "prefix-reuse": "asyncgrpo_cli.bench.prefix_reuse:main",
         "planning": "asyncgrpo_cli.bench.planning:main",
         "transport": "asyncgrpo_cli.bench.transport:main",
+        "scatter": "asyncgrpo_cli.bench.scatter:main",
     }
     if not args or args[0] not in benches:
         raise UserError(f"asyncgrpo bench NAME [OVERRIDES]; benchmarks: {', '.join(benches)}")

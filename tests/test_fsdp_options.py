@@ -135,8 +135,12 @@ def test_one_process_mixed_precision_runs_fsdp2_and_tracks_fp32(tiny_model_dir):
 
 def test_a_prepacked_first_row_and_the_overlap_hook_leave_the_step_unchanged(tiny_model_dir):
     """The trainer packs the next step's first row under this step's GPU work (``first_row``) and plans in
-    ``overlap``: the loss and every gradient are those of packing each row in the loop."""
+    ``overlap``; with several ranks every row arrives packed, pickled through the scatter (``rank_steps``): the
+    loss and every gradient are those of packing each row in the loop."""
+    import pickle
+
     from asyncgrpo_cli.bench.trainer_overhead import synthetic_groups
+    from asyncgrpo_cli.train.distributed import rank_steps
 
     vocab = _tiny(tiny_model_dir).config.vocab_size
     samples = synthetic_groups(
@@ -145,12 +149,14 @@ def test_a_prepacked_first_row_and_the_overlap_hook_leave_the_step_unchanged(tin
     rows = [samples[:2], samples[2:]]
     num_trained = sum(s.num_trained for s in samples)
     packer, loss_fn = SequencePacker(PackingConfig(kind="sequence")), ClippedLoss(LossConfig())
+    scattered = pickle.loads(pickle.dumps(rank_steps([rows], num_trained, packer.pack)[0])).rows
+    assert [type(r).__name__ for r in scattered] == ["PackedRow", "PackedRow"]
     results, calls = [], []
-    for first in (None, packer.pack(rows[0])):
+    for first, given in ((None, rows), (packer.pack(rows[0]), rows), (None, scattered)):
         model = _tiny(tiny_model_dir)
         res = forward_backward(
             model,
-            rows,
+            given,
             num_trained,
             packer,
             loss_fn,
@@ -160,10 +166,11 @@ def test_a_prepacked_first_row_and_the_overlap_hook_leave_the_step_unchanged(tin
             first_row=first,
         )
         results.append((res.loss, {n: p.grad.clone() for n, p in model.named_parameters()}))
-    assert calls == [1, 1]  # once per step, after the last backward
-    assert results[0][0] == results[1][0]
-    for name, grad in results[0][1].items():
-        torch.testing.assert_close(results[1][1][name], grad, rtol=0, atol=0)
+    assert calls == [1, 1, 1]  # once per step, after the last backward
+    for loss, grads in results[1:]:
+        assert loss == results[0][0]
+        for name, grad in results[0][1].items():
+            torch.testing.assert_close(grads[name], grad, rtol=0, atol=0)
 
 
 def test_the_optimizer_step_queued_behind_the_backward_trains_like_stepping_after_the_read(tiny_model_dir):

@@ -95,6 +95,60 @@ def test_to_device_moves_every_tensor(non_blocking):
     assert (row.num_forwarded, row.num_trained, row.num_samples) == (3, 2, 1)
 
 
+def test_a_pickled_row_comes_back_with_every_tensor_equal():
+    """Rank 0 scatters packed rows (``train/distributed.rank_steps``): they pickle as numpy arrays and come back
+    as tensors equal in dtype, shape and values, the extras' and the row's class included; a tensor numpy has no
+    dtype for (bfloat16) pickles as torch pickles it."""
+    import pickle
+    from dataclasses import fields
+
+    from asyncgrpo_cli.config.schema import PackingConfig
+    from asyncgrpo_cli.packing.tree import TreePacker
+    from asyncgrpo_cli.samples import CandidateSets, TeacherTopK
+
+    samples = [
+        sample(
+            [1, 2, 3, 4], [0, 1, 1, 1], [0, -1, -1, -2], topk_ids=[[1], [2], [3]], topk_lps=[[-1], [-2], [-3]]
+        ),
+        sample([1, 2, 5], [0, 1, 1], [0, -1, -1], topk_ids=[[2], [5]], topk_lps=[[-2], [-5]]),
+    ]
+    samples[0].sampling_mask = CandidateSets.from_lists([[2, 3], [3], [4, 1]])
+    for s in samples:
+        n = s.num_trained
+        s.token_extras["teacher"] = TeacherTopK(
+            np.arange(2 * n).reshape(n, 2),
+            -np.ones((n, 2), np.float32),
+            teacher=np.zeros(n),
+            teacher_names=("t",),
+        )
+    row = TreePacker(PackingConfig(kind="tree")).pack(samples)
+    row.extras["teacher"].logprobs = row.extras["teacher"].logprobs.to(torch.bfloat16)
+    moved = row.to("meta")
+    for original, back in (
+        (row, pickle.loads(pickle.dumps(row))),
+        (moved, pickle.loads(pickle.dumps(moved))),
+    ):
+        assert type(back) is type(original)
+        pairs = [
+            (getattr(original, f.name), getattr(back, f.name)) for f in fields(original) if f.name != "extras"
+        ]
+        for name, extra in original.extras.items():
+            assert type(back.extras[name]) is type(extra)
+            pairs += [(getattr(extra, f.name), getattr(back.extras[name], f.name)) for f in fields(extra)]
+        for a, b in pairs:
+            if isinstance(a, torch.Tensor):
+                assert type(b) is torch.Tensor and (a.dtype, a.shape, a.device) == (
+                    b.dtype,
+                    b.shape,
+                    b.device,
+                )
+                if a.device.type == "cpu":
+                    assert torch.equal(a, b)
+            else:
+                assert a == b
+    assert row.support_ids is not None and back.host_leave.tolist() == row.leave.tolist()
+
+
 # ---------------------------------------------------------------- model equivalence
 
 

@@ -488,6 +488,25 @@ def test_bench_planning_prints_every_case(capsys):
         parse_options(["repeats=x"])
 
 
+@pytest.mark.parametrize("kind", ["tree", "sequence"])
+def test_bench_scatter_hands_out_both_ways(capsys, kind):
+    """Both ways hand out the step; tree rows (each group's prompt forwarded once) pickle to fewer bytes than their
+    samples, sequence rows (positions, intervals and multiplicity per token) to more."""
+    from asyncgrpo_cli.bench.scatter import main
+    from asyncgrpo_cli.errors import UserError
+
+    main(["samples=96", "prompt_len=64", "token_budget=2048", "ranks=2", "rounds=2", f"kind={kind}"])
+    out = capsys.readouterr().out
+    assert f"96 samples in groups of 16 (P = 64, C = 16, top-k 8), {kind} packing" in out
+    rows = [line.split("|") for line in out.splitlines() if line.startswith(("| samples", "| packed"))]
+    size = {row[1].strip(): int(row[5]) for row in rows}
+    assert set(size) == {"samples", "packed rows"}
+    assert (size["packed rows"] < size["samples"]) == (kind == "tree")
+    assert "critical path" in out.splitlines()[-1]
+    with pytest.raises(UserError, match="kind tree or sequence"):
+        main(["kind=dense"])
+
+
 @pytest.mark.parametrize("share", [True, False], ids=["row_trie", "group_tries"])
 def test_planned_rows_carry_the_placements_the_packer_would_compute(share):
     """A tree planner's rows are PlannedRows whose placements (from its tries) are what the packer computes for

@@ -215,13 +215,15 @@ def test_prefetch_plans_what_is_queued_without_waiting_and_collect_gets_the_same
     assert step.plan_s == 0.0 and expected.plan_s > 0.0  # the planning was done ahead
 
 
-def test_the_first_planned_row_is_the_one_collect_returns_first():
+def test_the_planned_rows_are_the_ones_collect_returns():
     collector, _, _, _ = _collector(_queued_step(version=3))
-    assert collector.first_planned_row() is None  # nothing planned yet
+    assert collector.planned_rows() == []  # nothing planned yet
     collector.prefetch(model_version=3)
-    first = collector.first_planned_row()
+    planned = collector.planned_rows()
     step = collector.collect(model_version=3)
-    assert step is not None and step.microbatches[0].rows[0] is first
+    assert step is not None and planned
+    returned = [row for mb in step.microbatches for row in mb.rows]
+    assert all(a is b for a, b in zip(planned, returned[: len(planned)], strict=True))
 
 
 def test_prefetch_on_an_empty_queue_returns_at_once_and_a_version_mismatch_is_refused():

@@ -16,9 +16,10 @@ candidate as model.flex_kernel_options),
 baseline's), ``profile=N`` (N untimed steps after the timed ones under torch.profiler: where the step's GPU time
 goes, by kernel kind, printed under the row; ``train/profiler.py``).
 
-Each step is the trainer's own path: rank 0 builds the rows and scatters them (``scatter_step``), every rank packs
-its row (``packing.kind``; in a single process the next step's first row is packed under this step's GPU work, in
-``forward_backward``'s ``overlap``, as the trainer packs it), runs ``forward_backward`` (decoder with the configured attention, the LM head of
+Each step is the trainer's own path: rank 0 builds the rows and hands them out (``rank_steps``, ``scatter_step``;
+with several ranks it packs every rank's rows before the scatter, untimed, as the trainer packs them under the
+step before; in a single process the step packs its rows, the next step's first under this step's GPU work, in
+``forward_backward``'s ``overlap``, as the trainer packs it; ``packing.kind``), every rank runs ``forward_backward`` (decoder with the configured attention, the LM head of
 ``lm_head_kernel``, loss; the clip and fused AdamW step queued behind the last backward, as the trainer queues
 them) and reduces the loss metrics. The model comes from ``load_policy`` (a weightless checkpoint: every weight is
 initialized at random, seeded alike on every rank; for hybrids the packed gated-DeltaNet forward with the resolved
@@ -246,7 +247,7 @@ def timed_steps(
     """Warm-up then timed optimizer steps: (step seconds, optimizer seconds) per timed step on this rank, and the
     model FLOPs of the timed steps (rank 0; every rank's rows). With ``profiler`` (a
     ``train/profiler.StepProfiler`` of the ``cfg.profile`` steps after the timed ones), those steps run too."""
-    from asyncgrpo_cli.train.distributed import RankStep, reduce_raw_metrics, scatter_step
+    from asyncgrpo_cli.train.distributed import RankStep, rank_steps, reduce_raw_metrics, scatter_step
     from asyncgrpo_cli.train.losses import merge_metric_parts
     from asyncgrpo_cli.train.step import OptimizerStep, forward_backward
 
@@ -268,9 +269,8 @@ def timed_steps(
             for r in range(info.world_size)
         ]
         trained = sum(p.trained for rank in plans for p in rank)
-        per_rank = [
-            RankStep(done=False, rows=[p.samples for p in rank], num_trained=trained) for rank in plans
-        ]
+        rows = [[p.samples for p in rank] for rank in plans]
+        per_rank = rank_steps(rows, trained, t.packer.pack if info.enabled else None)
         return per_rank, [p for rank in plans for p in rank]
 
     upcoming, ahead = plan_step(), {}

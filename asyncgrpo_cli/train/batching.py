@@ -110,9 +110,10 @@ class StepCollector:
         else:
             self.metrics.add(name, value)
 
-    def first_planned_row(self) -> list[TrainingSequence] | None:
-        """Rank 0's row of the next micro-batch ``collect`` will return, when one is planned already (else None)."""
-        return self._carry[0].rows[0] if self._carry else None
+    def planned_rows(self) -> list[list[TrainingSequence]]:
+        """Every row of the micro-batches planned already, which ``collect`` returns next: micro-batch after
+        micro-batch, rank 0's row first."""
+        return [row for mb in self._carry for row in mb.rows]
 
     def collect(self, model_version: int) -> StepBatch | None:
         """Block (with health checks) until a full step is planned; None when the data is exhausted."""

@@ -1,7 +1,7 @@
 """Several trainer ranks (torchrun / accelerate launch): process group, FSDP2, step distribution, reductions.
 
-Rank 0 owns the rollout process and the server connection; it plans each optimizer step and scatters one row
-per rank per micro-batch (``scatter_step``). Every collective is entered by every rank in the same order,
+Rank 0 owns the rollout process and the server connection; it plans each optimizer step, packs its rows and
+scatters one packed row per rank per micro-batch (``rank_steps``, ``scatter_step``). Every collective is entered by every rank in the same order,
 including ranks whose micro-batch trains no token. With one process the collectives here are no-ops, so the
 same training loop serves both cases.
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from asyncgrpo_cli.errors import UserError
+from asyncgrpo_cli.packing.row import PackedRow
 from asyncgrpo_cli.samples import TrainingSequence
 
 logger = logging.getLogger(__name__)
@@ -170,12 +172,30 @@ def shard_model(
 
 @dataclass
 class RankStep:
-    """One rank's share of an optimizer step: its row (samples) for each micro-batch."""
+    """One rank's share of an optimizer step: its row for each micro-batch, as samples or packed already."""
 
     done: bool
-    rows: list[list[TrainingSequence]] = field(default_factory=list)
+    rows: list[list[TrainingSequence] | PackedRow] = field(default_factory=list)
     num_trained: int = 0
     """Trained tokens of the whole step across all ranks (the loss normalizer)."""
+
+
+def rank_steps(
+    rows_by_rank: list[list[list[TrainingSequence]]],
+    num_trained: int,
+    pack: Callable[[list[TrainingSequence]], PackedRow] | None = None,
+) -> list[RankStep]:
+    """Rank 0's hand-out of a step: ``rows_by_rank[r]`` is rank r's row (samples) for each micro-batch.
+
+    With ``pack`` (several ranks) every row is packed here, before the scatter pickles it: the scatter is on every
+    rank's critical path, and a row's samples pickle at ~19 us a sample (each of their arrays, dataclasses and
+    fields on its own) where the packed row's few large arrays take ~1 us a sample (``PackedRow.__reduce__``),
+    packing included ~5 (``asyncgrpo bench scatter``). Without it (one process) the rows stay samples, packed
+    under the GPU's work inside the step."""
+    return [
+        RankStep(done=False, rows=[pack(row) for row in rows] if pack else rows, num_trained=num_trained)
+        for rows in rows_by_rank
+    ]
 
 
 def scatter_step(per_rank: list[RankStep] | None, info: DistInfo) -> RankStep:

@@ -37,13 +37,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncgrpo_cli.model.logprobs import TokenStats, check_row, token_logprobs
+from asyncgrpo_cli.packing.row import PackedRow
 from asyncgrpo_cli.samples import TrainingSequence
 from asyncgrpo_cli.train.flops import attended_pairs
 from asyncgrpo_cli.train.optim import clip_grad_norm
 
 if TYPE_CHECKING:
     from asyncgrpo_cli.model.router import RouterAux
-    from asyncgrpo_cli.packing.row import PackedRow
     from asyncgrpo_cli.protocols import Loss, Packer
 
 
@@ -92,7 +92,7 @@ class OptimizerStep:
 
 def forward_backward(
     model: Any,
-    rows: list[list[TrainingSequence]],
+    rows: list[list[TrainingSequence] | PackedRow],
     num_trained: int,
     packer: Packer,
     loss_fn: Loss,
@@ -117,7 +117,10 @@ def forward_backward(
     clock = _Clock(device)
     spans = []
     for i, samples in enumerate(rows):
-        packed = first_row if i == 0 and first_row is not None else packer.pack(samples)
+        if isinstance(samples, PackedRow):  # packed by rank 0 before the scatter
+            packed = samples
+        else:
+            packed = first_row if i == 0 and first_row is not None else packer.pack(samples)
         check_row(model, packed, with_topk)  # on the host copies: token_logprobs then skips its device checks
         out.attn_pairs += attended_pairs(packed.leave)
         row = packed.to(device, non_blocking=True)

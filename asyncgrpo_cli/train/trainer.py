@@ -19,11 +19,12 @@ import torch
 
 from asyncgrpo_cli.config.schema import RootConfig
 from asyncgrpo_cli.metrics.reducer import MetricWindow
+from asyncgrpo_cli.packing.row import PackedRow
 from asyncgrpo_cli.rollout.resync import server_unreachable, settle_when_back
 from asyncgrpo_cli.train.batching import StepBatch, StepCollector
 from asyncgrpo_cli.train.checkpoint import TrainerState, data_identity, save_checkpoint
 from asyncgrpo_cli.train.compile import compile_meter
-from asyncgrpo_cli.train.distributed import DistInfo, RankStep, reduce_raw_metrics, scatter_step
+from asyncgrpo_cli.train.distributed import DistInfo, RankStep, rank_steps, reduce_raw_metrics, scatter_step
 from asyncgrpo_cli.train.losses import merge_metric_parts
 from asyncgrpo_cli.train.profiler import StepProfiler
 from asyncgrpo_cli.train.progress import PromptTracker
@@ -70,7 +71,8 @@ class Trainer:
         self._last_save_step = parts.state.step if parts.state.step > 0 else -1  # resumed: that step is saved
         self._last_logged_step = parts.state.step
         self._push_owed = False  # a scheduled weight push did not reach the server (rollout.resync)
-        self._prepacked: tuple[list, Any] | None = None  # (samples, packed row): the next step's first row
+        # rows packed in the overlap, by id: (the row's samples, its packed row), until a step takes them
+        self._ready: dict[int, tuple[list, PackedRow]] = {}
         from asyncgrpo_cli.train.flops import StepFlops, peak_tflops
 
         compute = cfg.trainer.mixed_precision or cfg.model.dtype
@@ -127,30 +129,35 @@ class Trainer:
 
     def _prefetch_next(self) -> None:
         """Rank 0, while the GPU finishes this step: plan the queued samples of the next one, at the version it will
-        train at (this step's scheduled weight sync, deferred or not, advances it by one). In a single process the
-        next step's first row is packed too, once planned (``forward_backward``'s ``first_row``): with several
-        ranks, rows reach even rank 0 as copies through the scatter, so there is no row to match it with."""
+        train at (this step's scheduled weight sync, deferred or not, advances it by one), and pack the rows
+        planned: with several ranks every one (rank 0 packs every rank's rows before the scatter, ``rank_steps``),
+        in one process the first (``forward_backward``'s ``first_row``; it packs the others under the GPU's
+        work)."""
         p = self.p
         t0 = time.monotonic()
         synced = (p.state.step + 1) % self.cfg.rollout.weight_sync_steps == 0
         p.collector.prefetch(p.state.model_version + int(synced))
-        first = p.collector.first_planned_row() if not self.info.enabled else None
-        self._prepacked = None if first is None else (first, p.packer.pack(first))
+        rows = p.collector.planned_rows()
+        for row in rows if self.info.enabled else rows[:1]:
+            if id(row) not in self._ready:
+                self._ready[id(row)] = (row, p.packer.pack(row))
         self.window.add("perf/plan_overlapped_s", time.monotonic() - t0)
 
-    def _take_prepacked(self, rows: list[list]) -> Any:
-        """The packed first row of ``rows`` when ``_prefetch_next`` packed exactly that sample list, else None."""
-        ready, self._prepacked = self._prepacked, None
-        return ready[1] if ready is not None and rows and rows[0] is ready[0] else None
+    def _take_ready(self, row: Any) -> PackedRow | None:
+        """``row`` as ``_prefetch_next`` packed it (that very sample list), else None."""
+        ready = self._ready.pop(id(row), None)
+        return ready[1] if ready is not None and ready[0] is row else None
+
+    def _pack(self, row: list) -> PackedRow:
+        ready = self._take_ready(row)
+        return ready if ready is not None else self.p.packer.pack(row)
 
     def _split(self, step: StepBatch | None) -> list[RankStep]:
         world = self.info.world_size
         if step is None:
             return [RankStep(done=True) for _ in range(world)]
-        return [
-            RankStep(done=False, rows=[mb.rows[r] for mb in step.microbatches], num_trained=step.num_trained)
-            for r in range(world)
-        ]
+        rows_by_rank = [[mb.rows[r] for mb in step.microbatches] for r in range(world)]
+        return rank_steps(rows_by_rank, step.num_trained, self._pack if self.info.enabled else None)
 
     # ------------------------------------------------------------------ one step
     def _train_step(self, mine: RankStep, step: StepBatch | None, t_step: float) -> None:
@@ -167,7 +174,7 @@ class Trainer:
             router=p.router,
             head_kernel=self.cfg.model.lm_head_kernel,
             overlap=self._prefetch_next if self.info.is_main else None,
-            first_row=self._take_prepacked(mine.rows),
+            first_row=None if self.info.enabled or not mine.rows else self._take_ready(mine.rows[0]),
             optimizer=OptimizerStep(p.model, p.optimizer, p.scheduler, self.cfg.trainer.max_grad_norm),
         )
         raw = reduce_raw_metrics(merge_metric_parts(res.raw_parts), self.info)

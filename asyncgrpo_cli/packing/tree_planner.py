@@ -246,43 +246,46 @@ class TreeBudgetPlanner:
         ids = sample.input_ids
         if ids.dtype != _INT64:
             ids = np.asarray(ids, dtype=np.int64)
-        length = int(ids.shape[0])
-        if length == 0:
-            raise ValueError("empty sample (no tokens) given to the planner")
-        if length > self.token_budget:
-            self.dropped_oversize_count += 1
-            logger.warning(
-                "dropping a sample of %d tokens: longer than packing.token_budget (%d); raise "
-                "packing.token_budget or lower sampling.max_completion_length",
-                length,
-                self.token_budget,
-            )
-            return None
-        key = group_key(sample)
-        groups = self._groups
-        g = groups.get(key)
+        length = ids.shape[0]
+        if not 0 < length <= self.token_budget:
+            return self._refuse(length)
+        key = (sample.group_id, sample.prompt_seq)  # group_key(sample), inline: this runs for every sample
+        g = self._groups.get(key)
         if g is None:
-            g = groups[key] = len(groups)
+            g = self._groups[key] = len(self._groups)
             self._first.append(sample)
         self._waiting.append(sample)
         self._waiting_ids.append(ids)
         self._waiting_group.append(g)
-        if self._may_wait(sample, ids, length, g):
+        mask_len = sample.train_mask.shape[0]  # its tokens and trained tokens are at most the larger length
+        if self._may_wait(sample, ids, length, length if length >= mask_len else mask_len, g):
             return None
         return self._place_waiting()
 
-    def _may_wait(self, sample: TrainingSequence, ids: np.ndarray, length: int, g: int) -> bool:
-        """Whether ``sample`` (just queued, of group number ``g``) cannot close the micro-batch whatever the rules
-        do with the samples waiting before it, claiming from the rows it may go to the most it can add to one.
-        Row r's unclaimed room is ``slack[r] - claimed``: its room less what the waiting samples that may go to
-        it alone, or to any row, can add (module docstring)."""
+    def _refuse(self, length: int) -> None:
+        """An empty sample is an error; one longer than the budget is dropped (counted, warned)."""
+        if length == 0:
+            raise ValueError("empty sample (no tokens) given to the planner")
+        self.dropped_oversize_count += 1
+        logger.warning(
+            "dropping a sample of %d tokens: longer than packing.token_budget (%d); raise "
+            "packing.token_budget or lower sampling.max_completion_length",
+            length,
+            self.token_budget,
+        )
+
+    def _may_wait(self, sample: TrainingSequence, ids: np.ndarray, length: int, bound: int, g: int) -> bool:
+        """Whether ``sample`` (just queued, of group number ``g``, adding at most ``bound`` tokens or trained tokens
+        to a row) cannot close the micro-batch whatever the rules do with the samples waiting before it, claiming
+        from the rows it may go to the most it can add to one. Row r's unclaimed room is ``slack[r] - claimed``:
+        its room less what the waiting samples that may go to it alone, or to any row, can add (module
+        docstring)."""
         slack = self._slack
-        bound = max(length, sample.train_mask.shape[0])  # its tokens and trained tokens are at most this
         rows = self._home_rows.get(g)
         if rows is None and g < self._placed_groups:
             rows = self._home_rows[g] = np.flatnonzero(self._homes[g] >= 0).tolist()
         if rows:  # a group placed earlier: rule 1 takes it into one of its rows if one fits it
-            best = max(slack[r] for r in rows) - self._claimed
+            best = (slack[rows[0]] if len(rows) == 1 else max([slack[r] for r in rows])) - self._claimed
             if best < bound and len(rows) == 1:
                 bound = self._prefix_bound(sample, ids, length, g, bound)
             if best < bound:
@@ -362,9 +365,9 @@ class TreeBudgetPlanner:
         forest.reserve(self._placed, self._stored)
         masks = [s.train_mask for s in self._waiting[start:]]
         trained = np.empty(k, dtype=np.int64)
-        # counted by the kernel (``==``: an unpickled array's dtype is equal to numpy's, not the same object)
-        if all(m.dtype == _BOOL for m in masks):
-            flags = np.concatenate(masks).view(np.uint8)
+        flags = np.concatenate(masks)  # boolean only when every mask is: other dtypes promote away from bool
+        if flags.dtype == _BOOL and flags.ndim == 1:
+            flags = flags.view(np.uint8)  # their trained tokens are counted by the kernel
             flag_ends = np.cumsum(np.fromiter(map(len, masks), _INT64, count=k))
         else:
             trained[:] = [s.num_trained for s in self._waiting[start:]]
@@ -380,8 +383,11 @@ class TreeBudgetPlanner:
         self._home_rows = {}
         self._placed_groups = groups
         rows = self._rows
-        for sample, rank in zip(self._waiting[start:stop], assign.tolist()):
-            rows[rank].append(sample)
+        if len(rows) == 1:
+            rows[0].extend(self._waiting[start:stop])
+        else:
+            for sample, rank in zip(self._waiting[start:stop], assign.tolist()):
+                rows[rank].append(sample)
         self._placed -= n - stop
         return stop
 

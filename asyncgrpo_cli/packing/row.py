@@ -203,9 +203,8 @@ def _support_ids(samples: Sequence[TrainingSequence], trained: np.ndarray) -> to
 def _topk_fast(kind: type, extras: list[Any], trained: np.ndarray) -> Any | None:
     """The usual row's ``kind`` (``TopK`` or ``TeacherTopK``) extra: every sample carries a part of one width K
     with one row per trained token, checked by array operations over the parts' row counts and one
-    concatenation per field into a preallocated [N, K] array. None for any other row (:func:`_concat_topk`)."""
-    if None in extras:
-        return None
+    concatenation per field into a preallocated [N, K] array (no sample lacks it: the caller checked). None for
+    any other row (:func:`_concat_topk`)."""
     id_parts = [p.ids for p in extras]
     lp_parts = [p.logprobs for p in extras]
     first = id_parts[0]
@@ -285,15 +284,16 @@ def _gather_extras(samples: Sequence[TrainingSequence], trained: np.ndarray) -> 
     out = {}
     for name in names:
         extras = [d.get(name) for d in by_sample]
-        kinds = set(map(type, extras))
+        kinds = set(map(type, extras))  # ``None in extras`` would call each extra's __eq__
+        missing = type(None) in kinds
         kinds.discard(type(None))
         kind = type(next(e for e in extras if e is not None))
         fast = len(kinds) == 1 and kind in (TopK, TeacherTopK)
-        merged = _topk_fast(kind, extras, trained) if fast else None
+        merged = _topk_fast(kind, extras, trained) if fast and not missing else None
         if merged is not None:
             out[name] = _map_arrays(merged, np.ndarray, _as_tensors)
             continue
-        present = [i for i, e in enumerate(extras) if e is not None] if None in extras else range(len(extras))
+        present = [i for i, e in enumerate(extras) if e is not None] if missing else range(len(extras))
         rows = np.fromiter(
             (len(extras[i].ids) if fast else len(extras[i]) for i in present), np.int64, count=len(present)
         )

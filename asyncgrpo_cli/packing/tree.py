@@ -88,7 +88,7 @@ class TreeLayout:
 def _check_ids(samples: Sequence[TrainingSequence]) -> tuple[np.ndarray, np.ndarray]:
     """(lengths, concatenated int64 ids) of the row; ValueError naming the first sample that is not a non-empty
     1-D array of ids >= 0."""
-    ids = [x if isinstance(x := s.input_ids, np.ndarray) else np.asarray(x, dtype=np.int64) for s in samples]
+    ids = [s.input_ids for s in samples]
     try:  # the usual row: 1-D arrays of ids >= 0 (checked on the concatenation), else name the first bad one
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         cat = np.concatenate(ids)
@@ -96,6 +96,7 @@ def _check_ids(samples: Sequence[TrainingSequence]) -> tuple[np.ndarray, np.ndar
             return lengths, cat.astype(np.int64, copy=False)
     except (TypeError, ValueError):
         pass
+    ids = [x if isinstance(x, np.ndarray) else np.asarray(x, dtype=np.int64) for x in ids]
     lengths = np.fromiter((x.shape[0] if x.ndim == 1 else 0 for x in ids), dtype=np.int64, count=len(ids))
     bad = np.flatnonzero(lengths == 0)
     scan = ids[: int(bad[0])] if bad.size else ids

@@ -55,6 +55,7 @@ REFERENCE_METRICS = [
     "perf/rollout_wait_s",
     "perf/plan_s",
     "perf/plan_overlapped_s",
+    "perf/handout_s",
     "perf/weight_sync_s",
     "perf/wall_clock_trained_tokens_per_s",
 ]
@@ -128,7 +129,9 @@ def test_weights_synced_every_other_step_plan_each_step_at_its_version(tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(run)
     assert [(r["step"], r["model_version"]) for r in rows] == [(1, 0), (2, 1), (3, 1), (4, 2)]
-    assert all(r["perf/plan_overlapped_s"] >= 0 and r["perf/plan_s"] >= 0 for r in rows)
+    assert all(
+        r["perf/plan_overlapped_s"] >= 0 and r["perf/plan_s"] >= 0 and r["perf/handout_s"] >= 0 for r in rows
+    )
     assert sorted(p.name for p in (run / "profile").iterdir()) == [
         "steps-2-3-rank-0.json.gz",
         "steps-2-3-rank-0.txt",

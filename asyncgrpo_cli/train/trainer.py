@@ -100,9 +100,14 @@ class Trainer:
                     self._profiler.before(p.state.step + 1)
                 t_step = time.monotonic()
                 step = self._next_step() if self.info.is_main else None
+                t_handout = time.monotonic()
                 mine = scatter_step(self._split(step) if self.info.is_main else None, self.info)
                 if mine.done:
                     break
+                if (
+                    self.info.is_main
+                ):  # packing the rows not packed ahead, and the scatter: on every rank's path
+                    self.window.add("perf/handout_s", time.monotonic() - t_handout)
                 self._train_step(mine, step, t_step)
                 if self._profiler is not None:
                     self._profiler.after(p.state.step)

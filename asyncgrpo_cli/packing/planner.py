@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -76,6 +77,27 @@ def context_only(sample: TrainingSequence) -> TrainingSequence:
     )
 
 
+class Budgeted(Protocol):
+    """A planner's budget and its count of dropped samples (:func:`refuse`)."""
+
+    token_budget: int
+    dropped_oversize_count: int
+
+
+def refuse(planner: Budgeted, length: int) -> None:
+    """A sample ``planner`` cannot take: an empty one is an error; one longer than its ``token_budget`` is dropped,
+    counted in its ``dropped_oversize_count`` and warned about."""
+    if length == 0:
+        raise ValueError("empty sample (no tokens) given to the planner")
+    planner.dropped_oversize_count += 1
+    logger.warning(
+        "dropping a sample of %d tokens: longer than packing.token_budget (%d); raise "
+        "packing.token_budget or lower sampling.max_completion_length",
+        length,
+        planner.token_budget,
+    )
+
+
 class TokenBudgetPlanner:
     """Greedy Σ L²-balancing bin packer over ``num_ranks`` rows of at most ``token_budget`` tokens each."""
 
@@ -101,17 +123,8 @@ class TokenBudgetPlanner:
     def add(self, sample: TrainingSequence) -> MicroBatch | None:
         """Place ``sample``; return the micro-batch it closed, if any (then the sample opens the next one)."""
         length = int(sample.input_ids.shape[0])
-        if length == 0:
-            raise ValueError("empty sample (no tokens) given to the planner")
-        if length > self.token_budget:
-            self.dropped_oversize_count += 1
-            logger.warning(
-                "dropping a sample of %d tokens: longer than packing.token_budget (%d); raise "
-                "packing.token_budget or lower sampling.max_completion_length",
-                length,
-                self.token_budget,
-            )
-            return None
+        if not 0 < length <= self.token_budget:
+            return refuse(self, length)
         emitted = None
         tokens, cost, limit = self._tokens, self._cost, self.token_budget - length
         rank = -1

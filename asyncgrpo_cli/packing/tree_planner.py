@@ -63,17 +63,15 @@ calls (``tests/test_tree_planner.py``), at ~3 us a sample instead of ~6-11 (``as
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Hashable
 
 import numpy as np
 from numba import njit
 
-from asyncgrpo_cli.packing.planner import MicroBatch, context_only
+from asyncgrpo_cli.packing.planner import MicroBatch, context_only, refuse
 from asyncgrpo_cli.packing.trie import NODES, SAMPLES, Forest, PlannedRow, commit, group_key, new_root, probe
 from asyncgrpo_cli.samples import TrainingSequence
 
-logger = logging.getLogger(__name__)
 _INT64, _BOOL = np.dtype(np.int64), np.dtype(np.bool_)
 _NO_FLAGS, _NO_ENDS = np.zeros(0, dtype=np.uint8), np.zeros(0, dtype=np.int64)  # masks not boolean: _place
 # columns of the rows' running totals (``TreeBudgetPlanner._totals``)
@@ -248,7 +246,7 @@ class TreeBudgetPlanner:
             ids = np.asarray(ids, dtype=np.int64)
         length = ids.shape[0]
         if not 0 < length <= self.token_budget:
-            return self._refuse(length)
+            return refuse(self, length)
         key = (sample.group_id, sample.prompt_seq)  # group_key(sample), inline: this runs for every sample
         g = self._groups.get(key)
         if g is None:
@@ -261,18 +259,6 @@ class TreeBudgetPlanner:
         if self._may_wait(sample, ids, length, length if length >= mask_len else mask_len, g):
             return None
         return self._place_waiting()
-
-    def _refuse(self, length: int) -> None:
-        """An empty sample is an error; one longer than the budget is dropped (counted, warned)."""
-        if length == 0:
-            raise ValueError("empty sample (no tokens) given to the planner")
-        self.dropped_oversize_count += 1
-        logger.warning(
-            "dropping a sample of %d tokens: longer than packing.token_budget (%d); raise "
-            "packing.token_budget or lower sampling.max_completion_length",
-            length,
-            self.token_budget,
-        )
 
     def _may_wait(self, sample: TrainingSequence, ids: np.ndarray, length: int, bound: int, g: int) -> bool:
         """Whether ``sample`` (just queued, of group number ``g``, adding at most ``bound`` tokens or trained tokens

@@ -95,12 +95,14 @@ def test_to_device_moves_every_tensor(non_blocking):
     assert (row.num_forwarded, row.num_trained, row.num_samples) == (3, 2, 1)
 
 
-def test_a_pickled_row_comes_back_with_every_tensor_equal():
+@pytest.mark.parametrize("kind", ["tree", "sequence"])
+def test_a_pickled_row_comes_back_with_every_tensor_equal(kind):
     """Rank 0 scatters packed rows (``train/distributed.rank_steps``): they pickle as numpy arrays and come back
     as tensors equal in dtype, shape and values, the extras' and the row's class included; a tensor numpy has no
-    dtype for (bfloat16) pickles as torch pickles it."""
+    dtype for (bfloat16) pickles as torch pickles it. A sequence-packed row sends its samples' lengths instead of
+    its positions, intervals and multiplicity, and rebuilds them."""
     import pickle
-    from dataclasses import fields
+    from dataclasses import fields, replace
 
     from asyncgrpo_cli.config.schema import PackingConfig
     from asyncgrpo_cli.packing.tree import TreePacker
@@ -121,9 +123,18 @@ def test_a_pickled_row_comes_back_with_every_tensor_equal():
             teacher=np.zeros(n),
             teacher_names=("t",),
         )
-    row = TreePacker(PackingConfig(kind="tree")).pack(samples)
+    packer = TreePacker(PackingConfig(kind="tree")) if kind == "tree" else SequencePacker(PackingConfig())
+    row = packer.pack(samples)
     row.extras["teacher"].logprobs = row.extras["teacher"].logprobs.to(torch.bfloat16)
     moved = row.to("meta")
+    if kind == "sequence":  # the lengths stand for three per-token arrays; a copy pickles them in full
+        assert row.segment_lengths.tolist() == [4, 3] and moved.segment_lengths is None
+        in_full = replace(row)
+        assert (
+            in_full.segment_lengths is None
+            and len(pickle.dumps(row)) < len(pickle.dumps(in_full)) - 3 * 7 * 8
+        )
+        assert pickle.loads(pickle.dumps(row)).segment_lengths.tolist() == [4, 3]
     for original, back in (
         (row, pickle.loads(pickle.dumps(row))),
         (moved, pickle.loads(pickle.dumps(moved))),

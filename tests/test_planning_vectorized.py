@@ -490,8 +490,8 @@ def test_bench_planning_prints_every_case(capsys):
 
 @pytest.mark.parametrize("kind", ["tree", "sequence"])
 def test_bench_scatter_hands_out_both_ways(capsys, kind):
-    """Both ways hand out the step; tree rows (each group's prompt forwarded once) pickle to fewer bytes than their
-    samples, sequence rows (positions, intervals and multiplicity per token) to more."""
+    """Both ways hand out the step; packed rows pickle to fewer bytes than their samples (tree rows forward each
+    group's prompt once; sequence rows send their samples' lengths for their positions, intervals, multiplicity)."""
     from asyncgrpo_cli.bench.scatter import main
     from asyncgrpo_cli.errors import UserError
 
@@ -501,7 +501,7 @@ def test_bench_scatter_hands_out_both_ways(capsys, kind):
     rows = [line.split("|") for line in out.splitlines() if line.startswith(("| samples", "| packed"))]
     size = {row[1].strip(): int(row[5]) for row in rows}
     assert set(size) == {"samples", "packed rows"}
-    assert (size["packed rows"] < size["samples"]) == (kind == "tree")
+    assert size["packed rows"] < size["samples"]
     assert "critical path" in out.splitlines()[-1]
     with pytest.raises(UserError, match="kind tree or sequence"):
         main(["kind=dense"])

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from asyncgrpo_cli.device_copy import to_device
-from asyncgrpo_cli.packing.attention import dense_mask
+from asyncgrpo_cli.packing.attention import dense_mask, sequence_layout
 from asyncgrpo_cli.samples import TeacherTopK, TopK, TrainingSequence
 
 
@@ -73,6 +73,11 @@ class PackedRow:
     """Not a field (rows compare and copy without it): on a row that :meth:`to` moved off the CPU, the CPU tensor
     ``leave`` came from, so the hybrid's recurrence plan (``model/gdn/plan.py``) is built without reading
     ``leave`` back from the device. None elsewhere."""
+
+    segment_lengths = None
+    """Not a field: on a host row the sequence packer made, its samples' lengths (int64 numpy [n]), from which
+    ``position_ids``, ``leave`` and ``multiplicity`` follow (``attention.sequence_layout``, all ones): the row
+    pickles them instead of those three. A copy (``replace``, :meth:`to`) does not carry it. None elsewhere."""
 
     @property
     def attention_mask(self) -> torch.Tensor:
@@ -128,9 +133,15 @@ class PackedRow:
         tensor's storage through ``torch.save`` (~80 us a tensor, ~1.2 ms a row); rank 0 scatters packed rows to
         the other ranks every step (``train/distributed.py``), ~5x cheaper this way (``asyncgrpo bench
         scatter``). Tensors numpy cannot hold (a device's, bfloat16) pickle as torch pickles them."""
-        state = {f.name: _to_numpy(getattr(self, f.name)) for f in fields(self)}
+        lengths = self.segment_lengths
+        derived = () if lengths is None else _SEQUENCE_LAYOUT
+        state = {f.name: _to_numpy(getattr(self, f.name)) for f in fields(self) if f.name not in derived}
         state["extras"] = {name: _map_arrays(e, torch.Tensor, _to_numpy) for name, e in self.extras.items()}
-        return (_rebuild_row, (type(self), state, _to_numpy(self.host_leave)))
+        return (_rebuild_row, (type(self), state, _to_numpy(self.host_leave), lengths))
+
+
+_SEQUENCE_LAYOUT = ("position_ids", "leave", "multiplicity")
+"""The fields a sequence-packed row pickles as its samples' lengths (``PackedRow.segment_lengths``)."""
 
 
 def _to_numpy(value: Any) -> Any:
@@ -143,17 +154,25 @@ def _to_numpy(value: Any) -> Any:
     return value
 
 
-def _rebuild_row(kind: type, state: dict[str, Any], host_leave: Any) -> PackedRow:
-    """The row :meth:`PackedRow.__reduce__` pickled: its numpy arrays back as tensors (a row holds no arrays)."""
+def _rebuild_row(
+    kind: type, state: dict[str, Any], host_leave: Any, lengths: np.ndarray | None = None
+) -> PackedRow:
+    """The row :meth:`PackedRow.__reduce__` pickled: its numpy arrays back as tensors (a row holds no arrays), a
+    sequence-packed row's layout rebuilt from its samples' ``lengths``."""
 
     def tensor(value: Any) -> Any:
         return torch.from_numpy(value) if isinstance(value, np.ndarray) else value
 
     state = {name: tensor(value) for name, value in state.items()}
     state["extras"] = {name: _map_arrays(e, np.ndarray, tensor) for name, e in state["extras"].items()}
+    if lengths is not None:
+        positions, leave = sequence_layout(lengths)
+        state["position_ids"], state["leave"] = torch.from_numpy(positions)[None], torch.from_numpy(leave)
+        state["multiplicity"] = torch.ones(leave.shape[0], dtype=torch.int64)
     row = kind(**state)
     if host_leave is not None:
         row.host_leave = tensor(host_leave)
+    row.segment_lengths = lengths
     return row
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from asyncgrpo_cli.config.schema import PackingConfig
-from asyncgrpo_cli.packing.attention import sequence_leave
+from asyncgrpo_cli.packing.attention import sequence_layout
 from asyncgrpo_cli.packing.row import PackedRow, gather_loss_terms
 from asyncgrpo_cli.samples import TrainingSequence
 
@@ -52,15 +52,14 @@ class SequencePacker:
         lengths = np.fromiter((s.input_ids.shape[0] for s in samples), dtype=np.int64, count=len(samples))
         if (lengths == 0).any():
             raise ValueError(f"cannot pack an empty sample (lengths {lengths.tolist()})")
-        ends = np.cumsum(lengths)
-        total = int(ends[-1])
-        positions = np.arange(total) - np.repeat(ends - lengths, lengths)
+        positions, leave = sequence_layout(lengths)
+        total = int(leave.shape[0])
         input_ids = np.concatenate([s.input_ids for s in samples]).astype(np.int64, copy=False)
         terms = gather_loss_terms(samples, _same, input_ids)  # a flat token index is its packed position
-        return PackedRow(
+        row = PackedRow(
             input_ids=torch.from_numpy(input_ids)[None],
             position_ids=torch.from_numpy(positions)[None],
-            leave=torch.from_numpy(sequence_leave(lengths)),
+            leave=torch.from_numpy(leave),
             multiplicity=torch.ones(total, dtype=torch.int64),
             **terms,
             num_forwarded=total,
@@ -68,3 +67,5 @@ class SequencePacker:
             num_samples=len(samples),
             num_unpacked=total,
         )
+        row.segment_lengths = lengths
+        return row

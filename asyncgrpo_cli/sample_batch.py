@@ -154,8 +154,8 @@ def _decode(
 
 def _canonical(column: np.ndarray) -> np.ndarray:
     """``column`` with numpy's own dtype object for its type: an unpickled array carries a dtype equal to
-    ``np.dtype(np.bool_)`` but not that object, and fast paths test a dtype by identity (the tree planner counts a
-    boolean mask's trained tokens in its kernel only then). A dtype numpy has no such object for stays."""
+    ``np.dtype(np.bool_)`` but not that object, so an identity test of its dtype fails (the tree planner's once
+    did, and counted every sample's trained tokens in Python). A dtype numpy has no such object for stays."""
     dtype = column.dtype
     if dtype.kind not in "biufc" or (own := np.dtype(dtype.type)) is dtype or own != dtype:
         return column

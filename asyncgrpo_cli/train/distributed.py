@@ -1,9 +1,9 @@
 """Several trainer ranks (torchrun / accelerate launch): process group, FSDP2, step distribution, reductions.
 
 Rank 0 owns the rollout process and the server connection; it plans each optimizer step, packs its rows and
-scatters one packed row per rank per micro-batch (``rank_steps``, ``scatter_step``). Every collective is entered by every rank in the same order,
-including ranks whose micro-batch trains no token. With one process the collectives here are no-ops, so the
-same training loop serves both cases.
+scatters one packed row per rank per micro-batch (``rank_steps``, ``scatter_step``). Every collective is entered
+by every rank in the same order, including ranks whose micro-batch trains no token. With one process the
+collectives here are no-ops, so the same training loop serves both cases.
 
 The loss scale: FSDP2 averages gradients over ranks, so each rank multiplies its micro-batch loss (already
 divided by the step's global trained-token count) by the world size; the summed gradient is then exactly the

@@ -104,9 +104,7 @@ class Trainer:
                 mine = scatter_step(self._split(step) if self.info.is_main else None, self.info)
                 if mine.done:
                     break
-                if (
-                    self.info.is_main
-                ):  # packing the rows not packed ahead, and the scatter: on every rank's path
+                if self.info.is_main:  # packing rows not packed ahead, and the scatter: every rank waits
                     self.window.add("perf/handout_s", time.monotonic() - t_handout)
                 self._train_step(mine, step, t_step)
                 if self._profiler is not None:

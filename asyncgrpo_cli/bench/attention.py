@@ -65,10 +65,12 @@ KERNEL_OPTIONS: dict[str, dict[str, Any]] = {
         "bwd_num_stages": 2,
         "bwd_num_warps": 8,
     },
+    "flash": {"BACKEND": "FLASH"},
 }
 """Candidate ``flex_attention(kernel_options=...)``: ``fwd_`` / ``bwd_`` keys reach only that pass's kernel. For
 bf16 and head dim 128 on Hopper torch picks BLOCK_M/N 128/64, 3 stages, 8 warps forward and 64/128/128/64, 3
-stages, 8 warps backward; the candidates move one of those at a time."""
+stages, 8 warps backward; the candidates move one of those at a time. ``flash``: torch's FlashAttention-4 backend
+of flex (CuTe DSL kernels; needs the ``flash-attn-4`` package, else it is reported refused)."""
 
 
 def candidate_options(name: str, q: Any) -> dict[str, Any] | None:

@@ -19,15 +19,16 @@ goes, by kernel kind, printed under the row; ``train/profiler.py``).
 Each step is the trainer's own path: rank 0 builds the rows and hands them out (``rank_steps``, ``scatter_step``;
 with several ranks it packs every rank's rows before the scatter, untimed, as the trainer packs them under the
 step before; in a single process the step packs its rows, the next step's first under this step's GPU work, in
-``forward_backward``'s ``overlap``, as the trainer packs it; ``packing.kind``), every rank runs ``forward_backward`` (decoder with the configured attention, the LM head of
-``lm_head_kernel``, loss; the clip and fused AdamW step queued behind the last backward, as the trainer queues
-them) and reduces the loss metrics. The model comes from ``load_policy`` (a weightless checkpoint: every weight is
-initialized at random, seeded alike on every rank; for hybrids the packed gated-DeltaNet forward with the resolved
-kernel, printed in the table's last column) and FSDP2's ``shard_model``. Rows are filled to exactly
-``token_budget`` forwarded tokens with GRPO-like groups (``group_size`` completions of one prompt), so every rank
-does the same work. Timed: packing (but for a single process's prepacked first row), forward+backward, metric reduction and the optimizer step, between two
-``torch.cuda.synchronize`` calls (``opt s``: the optimizer's GPU time within the step, CUDA events); row generation
-and the scatter are not (``asyncgrpo bench trainer-overhead`` measures planning).
+``forward_backward``'s ``overlap``, as the trainer packs it; ``packing.kind``), every rank runs
+``forward_backward`` (decoder with the configured attention, the LM head of ``lm_head_kernel``, loss; the clip and
+fused AdamW step queued behind the last backward, as the trainer queues them) and reduces the loss metrics. The
+model comes from ``load_policy`` (a weightless checkpoint: every weight is initialized at random, seeded alike on
+every rank; for hybrids the packed gated-DeltaNet forward with the resolved kernel, printed in the table's last
+column) and FSDP2's ``shard_model``. Rows are filled to exactly ``token_budget`` forwarded tokens with GRPO-like
+groups (``group_size`` completions of one prompt), so every rank does the same work. Timed: packing of the rows
+not packed ahead (a single process's rows after its first), forward+backward, metric reduction and the optimizer
+step, between two ``torch.cuda.synchronize`` calls (``opt s``: the optimizer's GPU time within the step, CUDA
+events); row generation and the scatter are not (``asyncgrpo bench trainer-overhead`` measures planning).
 
 Precision (``precision``): ``mixed`` (default, what a run uses: model.dtype=float32 master weights,
 trainer.mixed_precision=bfloat16, FSDP2 also on one GPU), ``bf16`` (bf16 weights and AdamW state, no master

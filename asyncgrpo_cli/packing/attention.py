@@ -97,16 +97,6 @@ def sequence_leave(lengths: np.ndarray) -> np.ndarray:
     return np.repeat(np.cumsum(lengths), lengths)
 
 
-def sequence_layout(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(``position_ids``, ``leave``), int64 [T] each, of a sequence-packed row: parentless segments of the given
-    lengths, each token's position counted from its own segment's start."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    ends = np.cumsum(lengths)
-    return np.arange(int(ends[-1]) if ends.size else 0) - np.repeat(ends - lengths, lengths), np.repeat(
-        ends, lengths
-    )
-
-
 def dense_mask(leave: torch.Tensor | np.ndarray) -> torch.Tensor:
     """bool [1, 1, T, T]: ``mask[q, k] = k <= q < leave[k]`` (True = attend), on ``leave``'s device."""
     leave = torch.as_tensor(leave, dtype=torch.int64)

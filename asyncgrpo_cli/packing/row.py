@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from asyncgrpo_cli.device_copy import to_device
-from asyncgrpo_cli.packing.attention import dense_mask, sequence_layout
+from asyncgrpo_cli.packing.attention import dense_mask, sequence_leave
 from asyncgrpo_cli.samples import TeacherTopK, TopK, TrainingSequence
 
 
@@ -76,8 +76,8 @@ class PackedRow:
 
     segment_lengths = None
     """Not a field: on a host row the sequence packer made, its samples' lengths (int64 numpy [n]), from which
-    ``position_ids``, ``leave`` and ``multiplicity`` follow (``attention.sequence_layout``, all ones): the row
-    pickles them instead of those three. A copy (``replace``, :meth:`to`) does not carry it. None elsewhere."""
+    ``position_ids``, ``leave`` and ``multiplicity`` follow (:func:`sequence_fields`): the row pickles them
+    instead of those three. A copy (``replace``, :meth:`to`) does not carry it. None elsewhere."""
 
     @property
     def attention_mask(self) -> torch.Tensor:
@@ -134,14 +134,23 @@ class PackedRow:
         the other ranks every step (``train/distributed.py``), ~5x cheaper this way (``asyncgrpo bench
         scatter``). Tensors numpy cannot hold (a device's, bfloat16) pickle as torch pickles them."""
         lengths = self.segment_lengths
-        derived = () if lengths is None else _SEQUENCE_LAYOUT
+        derived = () if lengths is None else ("position_ids", "leave", "multiplicity")  # sequence_fields
         state = {f.name: _to_numpy(getattr(self, f.name)) for f in fields(self) if f.name not in derived}
         state["extras"] = {name: _map_arrays(e, torch.Tensor, _to_numpy) for name, e in self.extras.items()}
         return (_rebuild_row, (type(self), state, _to_numpy(self.host_leave), lengths))
 
 
-_SEQUENCE_LAYOUT = ("position_ids", "leave", "multiplicity")
-"""The fields a sequence-packed row pickles as its samples' lengths (``PackedRow.segment_lengths``)."""
+def sequence_fields(lengths: np.ndarray) -> dict[str, torch.Tensor]:
+    """``position_ids`` [1, T], ``leave`` [T] and ``multiplicity`` [T] (all ones) of a sequence-packed row of
+    samples of ``lengths`` (parentless segments; each token's position counts from its own sample's start)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    leave = sequence_leave(lengths)
+    positions = np.arange(leave.shape[0]) - (leave - np.repeat(lengths, lengths))  # minus its sample's start
+    return {
+        "position_ids": torch.from_numpy(positions)[None],
+        "leave": torch.from_numpy(leave),
+        "multiplicity": torch.ones(leave.shape[0], dtype=torch.int64),
+    }
 
 
 def _to_numpy(value: Any) -> Any:
@@ -166,9 +175,7 @@ def _rebuild_row(
     state = {name: tensor(value) for name, value in state.items()}
     state["extras"] = {name: _map_arrays(e, np.ndarray, tensor) for name, e in state["extras"].items()}
     if lengths is not None:
-        positions, leave = sequence_layout(lengths)
-        state["position_ids"], state["leave"] = torch.from_numpy(positions)[None], torch.from_numpy(leave)
-        state["multiplicity"] = torch.ones(leave.shape[0], dtype=torch.int64)
+        state.update(sequence_fields(lengths))
     row = kind(**state)
     if host_leave is not None:
         row.host_leave = tensor(host_leave)
@@ -357,6 +364,7 @@ def gather_loss_terms(
     samples: Sequence[TrainingSequence],
     packed_positions: Sequence[np.ndarray] | np.ndarray | Callable[[np.ndarray], np.ndarray],
     input_ids: np.ndarray | None = None,
+    lengths: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """Per-trained-token loss terms of ``samples``.
 
@@ -366,11 +374,12 @@ def gather_loss_terms(
     ``pred_index = packed_positions[s][t - 1]``, ``target_ids = input_ids[t]``, plus the sample's sampler
     log-prob, advantage, index, candidate set (``support_ids``) and token extras (``extras``, by name). Returns the
     ``PackedRow`` loss fields (:func:`loss_terms`). ``input_ids``: the samples' ids one after another, when the
-    packer has them already (then not concatenated again). The row's arrays are concatenated once and indexed by
+    packer has them already (then not concatenated again), and ``lengths`` their lengths. The row's arrays are concatenated once and indexed by
     the flat trained positions, so the cost is a few array operations per row plus attribute reads per sample.
     """
     n = len(samples)
-    lengths = np.fromiter((s.input_ids.shape[0] for s in samples), dtype=np.int64, count=n)
+    if lengths is None:
+        lengths = np.fromiter((s.input_ids.shape[0] for s in samples), dtype=np.int64, count=n)
     masks, logprobs = row_arrays(samples, lengths)
     ends = np.cumsum(lengths)
     flat = np.flatnonzero(np.concatenate(masks)) if n else np.zeros(0, np.int64)

@@ -28,8 +28,7 @@ import numpy as np
 import torch
 
 from asyncgrpo_cli.config.schema import PackingConfig
-from asyncgrpo_cli.packing.attention import sequence_layout
-from asyncgrpo_cli.packing.row import PackedRow, gather_loss_terms
+from asyncgrpo_cli.packing.row import PackedRow, gather_loss_terms, sequence_fields
 from asyncgrpo_cli.samples import TrainingSequence
 
 
@@ -52,15 +51,13 @@ class SequencePacker:
         lengths = np.fromiter((s.input_ids.shape[0] for s in samples), dtype=np.int64, count=len(samples))
         if (lengths == 0).any():
             raise ValueError(f"cannot pack an empty sample (lengths {lengths.tolist()})")
-        positions, leave = sequence_layout(lengths)
-        total = int(leave.shape[0])
+        total = int(lengths.sum())
         input_ids = np.concatenate([s.input_ids for s in samples]).astype(np.int64, copy=False)
-        terms = gather_loss_terms(samples, _same, input_ids)  # a flat token index is its packed position
+        # a flat token index is its packed position
+        terms = gather_loss_terms(samples, _same, input_ids, lengths)
         row = PackedRow(
             input_ids=torch.from_numpy(input_ids)[None],
-            position_ids=torch.from_numpy(positions)[None],
-            leave=torch.from_numpy(leave),
-            multiplicity=torch.ones(total, dtype=torch.int64),
+            **sequence_fields(lengths),
             **terms,
             num_forwarded=total,
             num_trained=int(terms["target_ids"].shape[0]),

@@ -221,6 +221,26 @@ def test_token_budget_planners_and_packers_match_reference(shape, ranks, share):
     assert compared > 20
 
 
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_masks_of_another_length_than_their_ids_are_planned_as_the_reference(ranks):
+    """A mask one entry shorter or longer than its ids (the packer refuses the row; the planner still counts its
+    trained tokens): the kernel reads each mask at its own ends, not at the ids' offsets."""
+    rng = np.random.default_rng(31 + ranks)
+    for trial in range(8):
+        samples = random_step(rng, 60, extras=False, own_first_token=True, **SHAPES["grpo"])
+        for i in rng.choice(len(samples), size=12, replace=False):
+            s = samples[i]
+            mask = s.train_mask[:-1] if rng.random() < 0.5 else np.append(s.train_mask, rng.random() < 0.5)
+            samples[i] = replace(s, train_mask=mask)
+        budget = int(rng.choice([64, 300]))
+        new_mbs, _ = plan_all(TreeBudgetPlanner(budget, ranks), samples)
+        ref_mbs, _ = plan_all(ref_tree_planner.TreeBudgetPlanner(budget, ranks), samples)
+        assert len(new_mbs) == len(ref_mbs)
+        for i, (a, b) in enumerate(zip(new_mbs, ref_mbs, strict=True)):
+            for name in ("samples_per_row", "tokens_per_row", "trained_per_row", "attn_cost_per_row"):
+                assert_same(getattr(a, name), getattr(b, name), f"trial {trial} micro-batch {i}.{name}")
+
+
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_fixed_count_planner_matches_reference(ranks):
     rng = np.random.default_rng(ranks)

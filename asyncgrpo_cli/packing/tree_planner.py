@@ -216,6 +216,8 @@ class TreeBudgetPlanner:
         self._waiting: list[TrainingSequence] = []
         self._waiting_ids: list[np.ndarray] = []
         self._waiting_group: list[int] = []
+        self._waiting_len: list[int] = []  # their lengths
+        self._uneven = False  # whether a waiting sample's mask is not as long as its ids
         self._waiting_new: set[int] = set()  # groups first seen among the waiting samples
         self._reset()
 
@@ -255,7 +257,10 @@ class TreeBudgetPlanner:
         self._waiting.append(sample)
         self._waiting_ids.append(ids)
         self._waiting_group.append(g)
+        self._waiting_len.append(length)
         mask_len = sample.train_mask.shape[0]  # its tokens and trained tokens are at most the larger length
+        if mask_len != length:
+            self._uneven = True
         if self._may_wait(sample, ids, length, length if length >= mask_len else mask_len, g):
             return None
         return self._place_waiting()
@@ -329,7 +334,8 @@ class TreeBudgetPlanner:
             self._first.append(self._waiting[closed])
             if self._place(closed) != n:
                 raise RuntimeError("tree planner: a sample did not fit an empty micro-batch")
-        self._waiting, self._waiting_ids, self._waiting_group = [], [], []
+        self._waiting, self._waiting_ids, self._waiting_group, self._waiting_len = [], [], [], []
+        self._uneven = False
         self._waiting_new.clear()
         return emitted
 
@@ -344,7 +350,7 @@ class TreeBudgetPlanner:
         forest, k = self._forest, n - start
         ids = self._waiting_ids[start:]
         offsets = np.zeros(k + 1, dtype=np.int64)
-        np.cumsum(np.fromiter(map(len, ids), _INT64, count=k), out=offsets[1:])
+        np.cumsum(np.array(self._waiting_len[start:], dtype=np.int64), out=offsets[1:])
         self._placed += k
         # a row's trie stores at most its forwarded tokens
         self._stored = min(self._stored + int(offsets[-1]), self.token_budget)
@@ -354,7 +360,10 @@ class TreeBudgetPlanner:
         flags = np.concatenate(masks)  # boolean only when every mask is: other dtypes promote away from bool
         if flags.dtype == _BOOL and flags.ndim == 1:
             flags = flags.view(np.uint8)  # their trained tokens are counted by the kernel
-            flag_ends = np.cumsum(np.fromiter(map(len, masks), _INT64, count=k))
+            # each mask ends where its ids do, unless one is of another length (then the packer refuses its row)
+            flag_ends = (
+                np.cumsum(np.fromiter(map(len, masks), _INT64, count=k)) if self._uneven else offsets[1:]
+            )
         else:
             trained[:] = [s.num_trained for s in self._waiting[start:]]
             flags, flag_ends = _NO_FLAGS, _NO_ENDS

@@ -231,3 +231,16 @@ def test_one_process_packs_the_next_first_row_under_the_step(tmp_path, monkeypat
         assert torch.equal(first_row.pred_index, again.pred_index) and torch.equal(
             first_row.leave, again.leave
         )
+
+
+def test_flex_options_flash_sets_the_flash_backend():
+    from asyncgrpo_cli.bench.attention import use_candidates
+    from asyncgrpo_cli.config.schema import ModelConfig
+
+    cfg = ModelConfig()
+    use_candidates(cfg, "flash")
+    assert cfg.flex_backend == "flash" and cfg.flex_kernel_options == {}
+    use_candidates(cfg, "fwd_64x64_w4")  # Triton tiles: the Triton kernels, whatever is installed
+    assert cfg.flex_backend == "triton" and cfg.flex_kernel_options["fwd_BLOCK_M"] == 64
+    use_candidates(cfg, "default")
+    assert cfg.flex_backend == "auto" and cfg.flex_kernel_options == {}

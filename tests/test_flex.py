@@ -265,3 +265,78 @@ def test_the_loader_refuses_an_unknown_kernel_option_naming_the_key(tiny_model_d
     cfg = ModelConfig(name_or_path=str(tiny_model_dir), flex_kernel_options={"BLOCK_Q": 64})
     with pytest.raises(UserError, match="model.flex_kernel_options: BLOCK_Q not among"):
         load_policy(str(tiny_model_dir), cfg, torch.device("cuda"))
+
+
+def test_flex_backend_is_resolved_from_the_gpu_and_flash_attn_4():
+    from asyncgrpo_cli.model.flex import resolve_flex_backend
+
+    hopper, ampere = (9, 0), (8, 0)
+    assert resolve_flex_backend("auto", hopper, installed=True) == "flash"
+    assert resolve_flex_backend("auto", (10, 0), installed=True) == "flash"
+    assert resolve_flex_backend("auto", hopper, installed=False) == "triton"
+    assert resolve_flex_backend("auto", ampere, installed=True) == "triton"
+    assert resolve_flex_backend("auto", None, installed=True) == "triton"
+    assert resolve_flex_backend("auto", hopper, installed=True, triton_tiles=True) == "triton"  # tiles given
+    assert resolve_flex_backend("triton", hopper, installed=True) == "triton"
+    assert resolve_flex_backend("flash", hopper, installed=True) == "flash"
+    with pytest.raises(
+        ValueError, match=r"model.flex_backend=flash needs FlashAttention-4 .*asyncgrpo\[flash\]"
+    ):
+        resolve_flex_backend("flash", hopper, installed=False)
+    with pytest.raises(
+        ValueError, match="model.flex_backend=flash: .* not on compute capability 8.0: use model"
+    ):
+        resolve_flex_backend("flash", ampere, installed=True)
+    with pytest.raises(ValueError, match="not on no CUDA device"):
+        resolve_flex_backend("flash", None, installed=True)
+
+
+def test_flash_reaches_16_bit_heads_and_fp32_heads_keep_triton(monkeypatch):
+    from asyncgrpo_cli.model import flex
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    try:
+        flex.set_kernel_options({}, tuned_for=torch.device("cuda", 0), flash=True)
+        for dtype in (torch.bfloat16, torch.float16):
+            assert flex.call_options(torch.empty(1, 2, 4, 128, dtype=dtype)) == {"BACKEND": "FLASH"}
+        # FlashAttention-4 has no fp32 kernels: those calls get the Triton options they had
+        assert flex.call_options(torch.empty(1, 2, 4, 128)) is None
+        assert flex.describe_options(128).startswith("FlashAttention-4")
+        flex.set_kernel_options({}, tuned_for=torch.device("cuda", 0))
+        assert (
+            flex.call_options(torch.empty(1, 2, 4, 128, dtype=torch.bfloat16))
+            == flex.TUNED_OPTIONS[(9, 0)][128]
+        )
+    finally:
+        flex.set_kernel_options({})
+    assert not flex._FLASH
+
+
+def test_config_checks_flex_backend():
+    pytest.importorskip("hydra")  # absent on the GPU hosts
+    from asyncgrpo_cli.config.compose import compose_config
+
+    assert compose_config(["+recipe=tiny"]).model.flex_backend == "auto"
+    assert compose_config(["+recipe=tiny", "model.flex_backend=flash"]).model.flex_backend == "flash"
+    with pytest.raises(ConfigError, match=r"model.flex_backend \('fa4'\) must be one of auto, triton, flash"):
+        compose_config(["+recipe=tiny", "model.flex_backend=fa4"])
+    with pytest.raises(
+        ConfigError, match="model.flex_kernel_options.BACKEND is set: choose .* model.flex_backend"
+    ):
+        compose_config(["+recipe=tiny", "+model.flex_kernel_options={BACKEND:FLASH}"])
+    with pytest.raises(
+        ConfigError, match="tiles of flex attention's Triton kernels, but model.flex_backend=flash"
+    ):
+        compose_config(
+            ["+recipe=tiny", "model.flex_backend=flash", "+model.flex_kernel_options={fwd_BLOCK_M:64}"]
+        )
+
+
+def test_the_loader_refuses_flash_without_flash_attn_4_naming_the_key(tiny_model_dir, monkeypatch):
+    from asyncgrpo_cli.model import flex
+    from asyncgrpo_cli.model.loading import load_policy
+
+    monkeypatch.setattr(flex, "flash_installed", lambda: False)
+    cfg = ModelConfig(name_or_path=str(tiny_model_dir), flex_backend="flash")
+    with pytest.raises(UserError, match="model.flex_backend=flash needs FlashAttention-4"):
+        load_policy(str(tiny_model_dir), cfg, torch.device("cuda"))

@@ -36,9 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from asyncgrpo_cli.errors import UserError
+from asyncgrpo_cli.model.flex import FLASH_OPTIONS
 
 KERNEL_OPTIONS: dict[str, dict[str, Any]] = {
-    "default": {},  # what a run uses: model/flex.py's tuned options for the GPU and head dim, else torch's table
+    "default": {},  # what a run uses (model.flex_backend=auto): FlashAttention-4 where it runs, else as triton
+    "triton": {},  # model.flex_backend=triton: model/flex.py's tuned options for the GPU and head dim, else torch's
     "torch": {},  # torch's own table (model.flex_tuned_options=false)
     "fwd_128x128_s2": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_stages": 2, "fwd_num_warps": 8},
     "fwd_128x64_s4": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 4, "fwd_num_warps": 8},
@@ -65,24 +67,36 @@ KERNEL_OPTIONS: dict[str, dict[str, Any]] = {
         "bwd_num_stages": 2,
         "bwd_num_warps": 8,
     },
-    "flash": {"BACKEND": "FLASH"},
+    "flash": FLASH_OPTIONS,
 }
 """Candidate ``flex_attention(kernel_options=...)``: ``fwd_`` / ``bwd_`` keys reach only that pass's kernel. For
 bf16 and head dim 128 on Hopper torch picks BLOCK_M/N 128/64, 3 stages, 8 warps forward and 64/128/128/64, 3
 stages, 8 warps backward; the candidates move one of those at a time. ``flash``: torch's FlashAttention-4 backend
-of flex (CuTe DSL kernels; needs the ``flash-attn-4`` package, else it is reported refused)."""
+of flex (``model.flex_backend=flash``: CuTe DSL kernels; needs the ``flash-attn-4`` package, else it is reported
+refused)."""
 
 
 def candidate_options(name: str, q: Any) -> dict[str, Any] | None:
-    """The ``kernel_options`` candidate ``name`` passes for q [B, H, L, D] (``None``: torch's table)."""
+    """The ``kernel_options`` candidate ``name`` passes for q [B, H, L, D] (``None``: torch's table): ``default``
+    and ``triton`` as a run's flex calls get them (``model/flex.py`` ``call_options``) with model.flex_backend
+    auto or triton."""
     import torch
 
-    from asyncgrpo_cli.model.flex import tuned_options
+    from asyncgrpo_cli.model import flex
 
-    if name == "default":
-        capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
-        return tuned_options(capability, q.shape[-1], q.dtype) or None
-    return KERNEL_OPTIONS.get(name) or None
+    if name not in ("default", "triton"):
+        return KERNEL_OPTIONS.get(name) or None
+    capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+    backend = (
+        "triton"
+        if name == "triton"
+        else flex.resolve_flex_backend("auto", capability, flex.flash_installed())
+    )
+    flex.set_kernel_options({}, q.device if q.is_cuda else None, flash=backend == "flash")
+    try:
+        return flex.call_options(q)
+    finally:
+        flex.set_kernel_options({})
 
 
 def merged_options(names: str) -> dict[str, Any]:
@@ -92,9 +106,12 @@ def merged_options(names: str) -> dict[str, Any]:
 
 def use_candidates(model_cfg: Any, names: str) -> None:
     """Set a ``ModelConfig``'s flex options to the candidates ``names`` (``bench trainer flex_options=``):
-    ``torch`` among them turns ``model.flex_tuned_options`` off."""
-    model_cfg.flex_kernel_options = merged_options(names)
-    model_cfg.flex_tuned_options = "torch" not in names.split("+")
+    ``flash`` among them sets model.flex_backend=flash, any other triton (``default`` alone keeps auto);
+    ``torch`` turns ``model.flex_tuned_options`` off."""
+    listed = names.split("+")
+    model_cfg.flex_backend = "flash" if "flash" in listed else "auto" if listed == ["default"] else "triton"
+    model_cfg.flex_kernel_options = {k: v for k, v in merged_options(names).items() if k not in FLASH_OPTIONS}
+    model_cfg.flex_tuned_options = "torch" not in listed
 
 
 @dataclass

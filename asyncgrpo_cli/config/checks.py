@@ -149,6 +149,16 @@ def model_errors(model: ModelConfig) -> Iterator[str]:
     for key, value in model.flex_kernel_options.items():
         if not isinstance(value, (bool, int, str)):
             yield f"model.flex_kernel_options.{key} ({value!r}) must be an integer, a boolean or a string."
+    if "BACKEND" in model.flex_kernel_options:
+        yield (
+            "model.flex_kernel_options.BACKEND is set: choose flex attention's kernels with model.flex_backend "
+            "(auto, triton or flash) instead."
+        )
+    elif model.flex_kernel_options and model.flex_backend == "flash":
+        yield (
+            "model.flex_kernel_options are tiles of flex attention's Triton kernels, but model.flex_backend=flash "
+            "runs FlashAttention-4's: drop the options or use model.flex_backend=triton."
+        )
 
 
 def packing_errors(pk: PackingConfig) -> Iterator[str]:

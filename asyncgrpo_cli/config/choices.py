@@ -28,6 +28,7 @@ AttnImplementation = Annotated[
     Literal["auto", "sdpa", "eager", "flex_attention"],
     "flash kernels would ignore a packed row's attention mask",
 ]
+FlexBackend = Annotated[str, Literal["auto", "triton", "flash"]]
 LinearAttentionKernel = Annotated[str, Literal["auto", "torch", "fla"]]
 LmHeadKernel = Annotated[str, Literal["auto", "torch", "triton"]]
 LoraBias = Annotated[str, Literal["none", "all", "lora_only"]]

@@ -17,6 +17,7 @@ from asyncgrpo_cli.config.choices import (
     AttnImplementation,
     ConsoleMode,
     Dtype,
+    FlexBackend,
     LinearAttentionKernel,
     LmHeadKernel,
     LoraBias,
@@ -103,6 +104,14 @@ class ModelConfig:
         "With model.flex_kernel_options empty: flex attention uses the tiles measured fastest for the GPU and head "
         "size (model/flex.py TUNED_OPTIONS; sm90 (H100 / H200), head dim 128, 16-bit: forward 64x64, 3 stages, 4 "
         "warps), elsewhere torch's own table; false: torch's table everywhere.",
+    )
+    flex_backend: FlexBackend = F(
+        "auto",
+        "Kernels of flex attention: triton (torch's Triton templates, tiles as model.flex_kernel_options / "
+        "model.flex_tuned_options say), flash (FlashAttention-4's CuTe kernels, torch's FLASH backend of flex "
+        "attention; 16-bit heads on Hopper / Blackwell GPUs; needs the flash-attn-4 package: pip install "
+        "'asyncgrpo[flash]'), or auto (flash where flash-attn-4 is installed, the GPU is Hopper / Blackwell and "
+        "model.flex_kernel_options is empty; else triton).",
     )
     linear_attention_kernel: LinearAttentionKernel = F(
         "auto",

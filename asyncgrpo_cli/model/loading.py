@@ -77,7 +77,9 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
     from asyncgrpo_cli.model.flex import (
         FLEX_IMPL,
         describe_options,
+        flash_installed,
         resolve_attn_implementation,
+        resolve_flex_backend,
         set_kernel_options,
     )
     from asyncgrpo_cli.model.gdn.layer import resolve_kernel
@@ -96,8 +98,14 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
         attn = resolve_attn_implementation(cfg.attn_implementation, torch.device(device))
         kernel = resolve_kernel(cfg.linear_attention_kernel, torch.device(device)) if linear else None
         if attn == FLEX_IMPL:
+            dev = torch.device(device)
+            gpu = dev.type == "cuda" and torch.cuda.is_available()
+            capability = torch.cuda.get_device_capability(dev) if gpu else None
+            backend = resolve_flex_backend(
+                cfg.flex_backend, capability, flash_installed(), triton_tiles=bool(cfg.flex_kernel_options)
+            )
             set_kernel_options(
-                cfg.flex_kernel_options, torch.device(device) if cfg.flex_tuned_options else None
+                cfg.flex_kernel_options, dev if cfg.flex_tuned_options else None, flash=backend == "flash"
             )
     except ValueError as e:
         raise UserError(str(e)) from e
@@ -114,9 +122,11 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
         logger.info(
             "flex attention kernel options (16-bit): %s", describe_options(attention_head_dim(model.config))
         )
-    if cfg.flex_kernel_options and attn != FLEX_IMPL:
+    if (cfg.flex_kernel_options or cfg.flex_backend == "flash") and attn != FLEX_IMPL:
         logger.warning(
-            "model.flex_kernel_options are not used: attention runs as %s, not flex attention", attn
+            "model.flex_kernel_options / model.flex_backend are not used: attention runs as %s, not flex "
+            "attention",
+            attn,
         )
     model.config.use_cache = False
     if linear:

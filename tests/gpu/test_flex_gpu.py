@@ -169,7 +169,61 @@ def test_flex_matches_sdpa_on_an_8k_row(kind):
     assert_match(tiny_qwen3(torch.float32), row.to(CUDA), torch.float32)
 
 
-def test_a_new_row_length_in_the_same_bucket_does_not_recompile():
+def flash_or_skip() -> None:
+    """Skip unless model.flex_backend=auto would pick FlashAttention-4 here (flash-attn-4, Hopper / Blackwell)."""
+    from asyncgrpo_cli.model import flex
+
+    if (
+        flex.resolve_flex_backend("auto", torch.cuda.get_device_capability(CUDA), flex.flash_installed())
+        != "flash"
+    ):
+        pytest.skip("model.flex_backend=flash: needs flash-attn-4 and a Hopper / Blackwell GPU")
+
+
+@pytest.mark.parametrize("kind", ["tree", "system_prompt", "tree_8k", "sequence_8k"])
+def test_flash_backend_matches_sdpa_in_bf16(kind):
+    """model.flex_backend=flash: FlashAttention-4's kernels (torch's FLASH backend of flex) on the rows above, in
+    bf16 (it has no fp32 kernels): log-probs and every gradient are SDPA's to bf16 rounding."""
+    from asyncgrpo_cli.model import flex
+
+    flash_or_skip()
+    rng = np.random.default_rng(7)
+    if kind == "tree":
+        row = TreePacker(PackingConfig()).pack(groups(rng, num_groups=3, forks=8, prompt=150, completion=20))
+    elif kind == "system_prompt":
+        row = TreePacker(PackingConfig()).pack(groups(rng, 4, forks=6, prompt=350, completion=20, system=300))
+    elif kind == "tree_8k":
+        row = TreePacker(PackingConfig()).pack(
+            groups(rng, num_groups=2, forks=16, prompt=1500, completion=80)
+        )
+    else:
+        row = SequencePacker(PackingConfig(kind="sequence")).pack(
+            groups(rng, 1, forks=6, prompt=1100, completion=80)
+        )
+    flex.set_kernel_options({}, tuned_for=CUDA, flash=True)
+    try:
+        q = torch.empty(1, 4, 8, 64, dtype=torch.bfloat16, device=CUDA)
+        assert flex.call_options(q) == flex.FLASH_OPTIONS
+        assert_match(tiny_qwen3(torch.bfloat16), row.to(CUDA), torch.bfloat16)
+    finally:
+        flex.set_kernel_options({})
+
+
+@pytest.mark.parametrize("backend", ["triton", "flash"])
+def test_a_new_row_length_in_the_same_bucket_does_not_recompile(backend):
+    from asyncgrpo_cli.model import flex
+
+    if backend == "flash":
+        flash_or_skip()
+    flex.set_kernel_options({}, tuned_for=CUDA, flash=backend == "flash")
+    try:
+        check_no_recompile()
+    finally:
+        flex.set_kernel_options({})
+
+
+def check_no_recompile() -> None:
+    """Two rows of different lengths in one bucket: the second compiles no new graph."""
     from torch._dynamo.utils import counters
 
     model = tiny_qwen3(torch.bfloat16)
@@ -188,6 +242,7 @@ def test_a_new_row_length_in_the_same_bucket_does_not_recompile():
 def test_trainer_loader_and_step_use_flex_on_cuda(tmp_path):
     """load_policy with the default model.attn_implementation=auto picks flex; a trainer step runs through it,
     and a plain model(input_ids) call (the weight-sync probe) still works."""
+    from asyncgrpo_cli.model import flex
     from asyncgrpo_cli.model.loading import load_policy
     from asyncgrpo_cli.train.losses import ClippedLoss
     from asyncgrpo_cli.train.step import forward_backward
@@ -195,6 +250,9 @@ def test_trainer_loader_and_step_use_flex_on_cuda(tmp_path):
     tiny_qwen3(torch.float32).save_pretrained(tmp_path)
     model = load_policy(str(tmp_path), ModelConfig(name_or_path=str(tmp_path), dtype="bfloat16"), CUDA)
     assert model.config._attn_implementation == FLEX_IMPL
+    # model.flex_backend=auto: FlashAttention-4 where it runs, the Triton kernels elsewhere
+    auto = flex.resolve_flex_backend("auto", torch.cuda.get_device_capability(CUDA), flex.flash_installed())
+    assert bool(flex._FLASH) == (auto == "flash")
     samples = groups(np.random.default_rng(3), 2, forks=8, prompt=100, completion=20)
     rows = [samples[:8], samples[8:]]
     res = forward_backward(model, rows, sum(s.num_trained for s in samples), TreePacker(PackingConfig()),

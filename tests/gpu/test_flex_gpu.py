@@ -22,6 +22,19 @@ VOCAB = 512
 CUDA = torch.device("cuda")
 
 
+@pytest.fixture(autouse=True)
+def fresh_flex():
+    """Each test starts from an empty dynamo cache and leaves the default kernel options: these tests compile
+    flex attention with many options, and past dynamo's recompile limit later tests (of this file or the next)
+    would run the eager fallback, which syncs the host (a run compiles one set of options)."""
+    from asyncgrpo_cli.model import flex
+
+    torch._dynamo.reset()
+    yield
+    flex.set_kernel_options({})
+    torch._dynamo.reset()
+
+
 def groups(
     rng, num_groups: int, forks: int, prompt: int, completion: int, k: int = 3, system: int = 0
 ) -> list[TrainingSequence]:

@@ -148,6 +148,19 @@ def test_bench_on_cpu_writes_json_and_scales_against_a_baseline(tmp_path, capsys
     assert r["shape"] == "tiny" and r["world_size"] == 1 and r["tokens_per_step"] == 1024
     assert r["tokens_per_s"] > 0 and r["model_tflops_per_gpu"] > 0 and r["mfu"] is None  # no peak on CPU
     assert r["scaling_efficiency"] > 0
+    assert r["flex_kernels"] is None  # SDPA on CPU: no flex kernels to name
+
+
+def test_the_table_names_the_flex_kernels_that_ran():
+    from asyncgrpo_cli.bench.trainer_report import table_row
+
+    r = dict(shape="0.6b", world_size=1, tokens_per_step=16384, step_s=0.25, optimizer_s=0.01, tokens_per_s=6e4,
+             tokens_per_s_per_gpu=6e4, model_tflops_per_gpu=300.0, mfu=0.3, peak_allocated_gib=29.0,
+             attn_implementation="asyncgrpo_flex", flex_options="default", flex_kernels="flash")  # fmt: skip
+    assert table_row(r).endswith("asyncgrpo_flex, flash kernels")
+    assert table_row({**r, "flex_options": "triton", "flex_kernels": "triton"}).endswith(
+        "asyncgrpo_flex (triton), triton kernels"
+    )
 
 
 def test_profile_records_untimed_steps_after_the_timed_ones(tmp_path, capsys):

@@ -336,10 +336,11 @@ def bench_shape(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, roo
     import torch
 
     from asyncgrpo_cli.model import fused_head
-    from asyncgrpo_cli.model.flex import FLEX_IMPLS
+    from asyncgrpo_cli.model.flex import FLEX_IMPLS, active_backend
 
     t = build_trainer(shape, cfg, info, device, root)
     config, attn = t.model.config, t.model.config._attn_implementation
+    kernels = active_backend() if attn in FLEX_IMPLS else None  # model.flex_backend as the loader resolved it
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     profiler = _profiler(shape, cfg, info, device, root)
@@ -366,6 +367,7 @@ def bench_shape(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, roo
         "world_size": info.world_size,
         "attn_implementation": attn,
         "flex_options": cfg.flex_options if attn in FLEX_IMPLS else "default",
+        "flex_kernels": kernels,
         "profile_summary": profiler.summaries[0] if profiler is not None and profiler.summaries else None,
         "tokens_per_step": tokens,
         "step_s": mean_step,

@@ -82,6 +82,7 @@ def table_row(r: dict[str, Any]) -> str:
         f"{r['model_tflops_per_gpu']:>11.4g} {mfu:>6} {r['peak_allocated_gib']:>8.1f} "
         f"{f'{100 * eff:.0f}%' if eff is not None else '-':>6}  {r['attn_implementation']}"
         + (f" ({r['flex_options']})" if r.get("flex_options", "default") != "default" else "")
+        + (f", {r['flex_kernels']} kernels" if r.get("flex_kernels") else "")
         + (f", LM head: {r['lm_head_kernel']}" if r.get("lm_head_kernel") else "")
         + (f", gated DeltaNet: {r['linear_attention_kernel']}" if r.get("linear_attention_kernel") else "")
     )

@@ -160,6 +160,11 @@ def set_kernel_options(options: dict[str, Any], tuned_for: Any = None, flash: bo
         _FLASH.append(True)
 
 
+def active_backend() -> str:
+    """``flash`` or ``triton``: the kernels this process's flex calls of 16-bit heads run (:func:`set_kernel_options`)."""
+    return "flash" if _FLASH else "triton"
+
+
 def call_options(query: Any) -> dict[str, Any] | None:
     """The ``kernel_options`` of a flex call on ``query`` [B, H, L, D] (``None``: torch's table)."""
     import torch

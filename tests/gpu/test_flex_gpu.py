@@ -166,18 +166,21 @@ def test_flex_matches_sdpa_on_a_row_sharing_a_system_prompt_across_groups():
     assert_match(tiny_qwen3(torch.float32), row.to(CUDA), torch.float32)
 
 
+def row_8k(kind: str, rng):
+    """A packed row of ~8k forwarded tokens: a tree row of 2 groups of 16, or a sequence row of 6 samples."""
+    if kind == "tree":
+        return TreePacker(PackingConfig()).pack(
+            groups(rng, num_groups=2, forks=16, prompt=1500, completion=80)
+        )
+    return SequencePacker(PackingConfig(kind="sequence")).pack(
+        groups(rng, 1, forks=6, prompt=1100, completion=80)
+    )
+
+
 @pytest.mark.parametrize("kind", ["tree", "sequence"])
 def test_flex_matches_sdpa_on_an_8k_row(kind):
     """~8k forwarded tokens: 60+ query blocks, full and partial blocks, q/k/v padded to the 8192 bucket."""
-    rng = np.random.default_rng(1)
-    if kind == "tree":
-        row = TreePacker(PackingConfig()).pack(
-            groups(rng, num_groups=2, forks=16, prompt=1500, completion=80)
-        )
-    else:
-        row = SequencePacker(PackingConfig(kind="sequence")).pack(
-            groups(rng, 1, forks=6, prompt=1100, completion=80)
-        )
+    row = row_8k(kind, np.random.default_rng(1))
     assert 6000 < row.num_forwarded <= 8192, row.num_forwarded
     assert_match(tiny_qwen3(torch.float32), row.to(CUDA), torch.float32)
 
@@ -205,14 +208,8 @@ def test_flash_backend_matches_sdpa_in_bf16(kind):
         row = TreePacker(PackingConfig()).pack(groups(rng, num_groups=3, forks=8, prompt=150, completion=20))
     elif kind == "system_prompt":
         row = TreePacker(PackingConfig()).pack(groups(rng, 4, forks=6, prompt=350, completion=20, system=300))
-    elif kind == "tree_8k":
-        row = TreePacker(PackingConfig()).pack(
-            groups(rng, num_groups=2, forks=16, prompt=1500, completion=80)
-        )
     else:
-        row = SequencePacker(PackingConfig(kind="sequence")).pack(
-            groups(rng, 1, forks=6, prompt=1100, completion=80)
-        )
+        row = row_8k(kind.removesuffix("_8k"), rng)
     flex.set_kernel_options({}, tuned_for=CUDA, flash=True)
     try:
         q = torch.empty(1, 4, 8, 64, dtype=torch.bfloat16, device=CUDA)

@@ -289,6 +289,19 @@ def test_flex_backend_is_resolved_from_the_gpu_and_flash_attn_4():
         resolve_flex_backend("flash", ampere, installed=True)
     with pytest.raises(ValueError, match="not on no CUDA device"):
         resolve_flex_backend("flash", None, installed=True)
+    # head dims FlashAttention-4 has kernels for: multiples of 8 up to 256 on Hopper, up to 128 or 256 on Blackwell
+    for capability, head_dim, want in [
+        (hopper, 128, "flash"), (hopper, 256, "flash"), (hopper, 80, "flash"), (hopper, 100, "triton"),
+        (hopper, 512, "triton"), ((10, 0), 128, "flash"), ((10, 0), 192, "triton"), ((10, 0), 256, "flash"),
+    ]:  # fmt: skip
+        assert resolve_flex_backend("auto", capability, True, head_dim=head_dim) == want, (
+            capability,
+            head_dim,
+        )
+    with pytest.raises(
+        ValueError, match="no kernels for heads of dim 100 on compute capability 9.0: use model"
+    ):
+        resolve_flex_backend("flash", hopper, installed=True, head_dim=100)
 
 
 def test_flash_reaches_16_bit_heads_and_fp32_heads_keep_triton(monkeypatch):

@@ -90,7 +90,7 @@ def candidate_options(name: str, q: Any) -> dict[str, Any] | None:
     backend = (
         "triton"
         if name == "triton"
-        else flex.resolve_flex_backend("auto", capability, flex.flash_installed())
+        else flex.resolve_flex_backend("auto", capability, flex.flash_installed(), head_dim=q.shape[-1])
     )
     flex.set_kernel_options({}, q.device if q.is_cuda else None, flash=backend == "flash")
     try:

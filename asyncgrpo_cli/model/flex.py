@@ -83,11 +83,24 @@ def flash_installed() -> bool:
         return False
 
 
+def flash_head_dim(capability: tuple[int, int], head_dim: int) -> bool:
+    """Whether FlashAttention-4 has kernels for heads of ``head_dim`` on a GPU of ``capability`` (its interface's
+    rule: multiples of 8 up to 256 on Hopper; up to 128, or 256, on Blackwell)."""
+    if head_dim % 8 or head_dim < 8:
+        return False
+    return head_dim <= 256 if capability[0] == 9 else head_dim <= 128 or head_dim == 256
+
+
 def resolve_flex_backend(
-    choice: str, capability: tuple[int, int] | None, installed: bool, triton_tiles: bool = False
+    choice: str,
+    capability: tuple[int, int] | None,
+    installed: bool,
+    triton_tiles: bool = False,
+    head_dim: int | None = None,
 ) -> str:
     """``flash`` or ``triton`` for ``model.flex_backend=choice`` on a GPU of ``capability`` (None: no CUDA
-    device), with flash-attn-4 ``installed`` or not and Triton tiles set in ``model.flex_kernel_options`` or not.
+    device), with flash-attn-4 ``installed`` or not, Triton tiles set in ``model.flex_kernel_options`` or not, for
+    the model's heads of ``head_dim`` (None: not known yet).
 
     Raises ValueError naming the key and the fix when ``flash`` was asked for and cannot run.
     """
@@ -98,8 +111,9 @@ def resolve_flex_backend(
         return "triton"
     torch_has = "BACKEND" in FlexKernelOptions.__optional_keys__ | FlexKernelOptions.__required_keys__
     gpu = capability is not None and capability[0] in FLASH_CAPABILITIES
+    heads = gpu and (head_dim is None or flash_head_dim(capability, head_dim))
     if choice == "auto":
-        return "flash" if installed and torch_has and gpu and not triton_tiles else "triton"
+        return "flash" if installed and torch_has and heads and not triton_tiles else "triton"
     if not torch_has:
         raise ValueError(
             f"model.flex_backend=flash: torch {torch.__version__} has no FLASH backend of flex attention: "
@@ -118,6 +132,11 @@ def resolve_flex_backend(
         raise ValueError(
             f"model.flex_backend=flash: FlashAttention-4 runs on Hopper / Blackwell GPUs (compute capability "
             f"{', '.join(f'{c}.x' for c in FLASH_CAPABILITIES)}), not on {where}: use model.flex_backend=triton"
+        )
+    if not heads:
+        raise ValueError(
+            f"model.flex_backend=flash: FlashAttention-4 has no kernels for heads of dim {head_dim} on compute "
+            f"capability {capability[0]}.{capability[1]}: use model.flex_backend=triton"
         )
     return "flash"
 

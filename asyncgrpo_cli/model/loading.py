@@ -102,7 +102,11 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
             gpu = dev.type == "cuda" and torch.cuda.is_available()
             capability = torch.cuda.get_device_capability(dev) if gpu else None
             backend = resolve_flex_backend(
-                cfg.flex_backend, capability, flash_installed(), triton_tiles=bool(cfg.flex_kernel_options)
+                cfg.flex_backend,
+                capability,
+                flash_installed(),
+                triton_tiles=bool(cfg.flex_kernel_options),
+                head_dim=attention_head_dim(config),
             )
             set_kernel_options(
                 cfg.flex_kernel_options, dev if cfg.flex_tuned_options else None, flash=backend == "flash"

@@ -268,7 +268,7 @@ def test_the_loader_refuses_an_unknown_kernel_option_naming_the_key(tiny_model_d
 
 
 def test_flex_backend_is_resolved_from_the_gpu_and_flash_attn_4():
-    from asyncgrpo_cli.model.flex import resolve_flex_backend
+    from asyncgrpo_cli.model.flex_backend import resolve_flex_backend
 
     hopper, ampere = (9, 0), (8, 0)
     assert resolve_flex_backend("auto", hopper, installed=True) == "flash"
@@ -346,10 +346,68 @@ def test_config_checks_flex_backend():
 
 
 def test_the_loader_refuses_flash_without_flash_attn_4_naming_the_key(tiny_model_dir, monkeypatch):
-    from asyncgrpo_cli.model import flex
+    from asyncgrpo_cli.model import flex_backend
     from asyncgrpo_cli.model.loading import load_policy
 
-    monkeypatch.setattr(flex, "flash_installed", lambda: False)
+    monkeypatch.setattr(flex_backend, "flash_installed", lambda: False)
     cfg = ModelConfig(name_or_path=str(tiny_model_dir), flex_backend="flash")
     with pytest.raises(UserError, match="model.flex_backend=flash needs FlashAttention-4"):
         load_policy(str(tiny_model_dir), cfg, torch.device("cuda"))
+
+
+def test_flash_first_use_check_tolerates_bf16_and_catches_a_wrong_mask_or_a_failure():
+    """The check's comparison (model/flex_backend.py): bf16 attention on its tree row passes against fp32; the same
+    attention with the completions' intervals dropped (every token sees the whole row before it) does not; a
+    backend that cannot run at all (FLASH on CPU) is reported as the error's first line, never raised."""
+    from asyncgrpo_cli.model import flex_backend as fb
+    from asyncgrpo_cli.packing.attention import dense_mask
+
+    leave = fb.check_row("cpu")
+    q, k, v, grad = fb.check_inputs("cpu", 4, 2, 32, leave.shape[0])
+    fp32 = [x.float() for x in (q, k, v, grad)]
+    want = fb.attention_and_grads(fb.dense_attend, *fp32, dense_mask(leave))
+    bf16 = fb.attention_and_grads(fb.dense_attend, q, k, v, grad, dense_mask(leave))
+    assert fb.compare(bf16, want) is None
+    causal = fb.attention_and_grads(
+        fb.dense_attend, *fp32, dense_mask(torch.full_like(leave, leave.shape[0]))
+    )
+    assert fb.compare(causal, want).startswith("its output differs from SDPA's by")
+    assert fb.compare([want[0], want[1] * 2, *want[2:]], want).startswith("its dq differs from SDPA's by")
+    # the check's flex side (padding to the compiled length, the row's BlockMask, cropping) computes SDPA's
+    # attention: compiled flex on CPU, forward only (no CPU backward; its CPU kernel has no FLASH backend)
+    from asyncgrpo_cli.packing.attention import flex_block_mask, flex_length
+
+    with torch.no_grad():
+        flexed = fb.flash_attend(*fp32[:3], flex_block_mask(leave, flex_length(leave.shape[0])))
+    torch.testing.assert_close(flexed, want[0], atol=1e-5, rtol=1e-5)
+    fb._checked.clear()
+    try:
+        problem = fb.flash_problem(torch.device("cpu"), 4, 2, 32)
+        assert isinstance(problem, str) and problem and problem.split(":")[0].isidentifier(), problem
+        assert fb.flash_problem(torch.device("cpu"), 4, 2, 32) is problem  # checked once
+    finally:
+        fb._checked.clear()
+
+
+def test_the_loader_falls_back_to_triton_when_flash_fails_its_check(tiny_model_dir, monkeypatch, caplog):
+    """model.flex_backend=auto where flash would run but fails its first-use check: one warning, Triton kernels."""
+    import logging
+
+    from asyncgrpo_cli.model import flex, flex_backend, loading
+
+    monkeypatch.setattr(flex_backend, "flash_installed", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(flex_backend, "flash_problem", lambda *a: "CuteDSLError: no such kernel")
+    stop = RuntimeError("stop after the kernels were chosen")
+
+    def chosen(options, tuned_for=None, flash=False):
+        assert flash is False and options == {}
+        raise stop
+
+    monkeypatch.setattr(flex, "set_kernel_options", chosen)
+    with caplog.at_level(logging.WARNING), pytest.raises(RuntimeError, match="stop after"):
+        loading.load_policy(
+            str(tiny_model_dir), ModelConfig(name_or_path=str(tiny_model_dir)), torch.device("cuda")
+        )
+    assert "FlashAttention-4 failed its first-use check on cuda (CuteDSLError: no such kernel)" in caplog.text

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncgrpo_cli.errors import UserError
-from asyncgrpo_cli.model.flex import FLASH_OPTIONS
+from asyncgrpo_cli.model.flex_backend import FLASH_OPTIONS
 
 KERNEL_OPTIONS: dict[str, dict[str, Any]] = {
     "default": {},  # what a run uses (model.flex_backend=auto): FlashAttention-4 where it runs, else as triton
@@ -82,7 +82,7 @@ def candidate_options(name: str, q: Any) -> dict[str, Any] | None:
     auto or triton."""
     import torch
 
-    from asyncgrpo_cli.model import flex
+    from asyncgrpo_cli.model import flex, flex_backend
 
     if name not in ("default", "triton"):
         return KERNEL_OPTIONS.get(name) or None
@@ -90,7 +90,9 @@ def candidate_options(name: str, q: Any) -> dict[str, Any] | None:
     backend = (
         "triton"
         if name == "triton"
-        else flex.resolve_flex_backend("auto", capability, flex.flash_installed(), head_dim=q.shape[-1])
+        else flex_backend.resolve_flex_backend(
+            "auto", capability, flex_backend.flash_installed(), head_dim=q.shape[-1]
+        )
     )
     flex.set_kernel_options({}, q.device if q.is_cuda else None, flash=backend == "flash")
     try:

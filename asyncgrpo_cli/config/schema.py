@@ -111,7 +111,8 @@ class ModelConfig:
         "model.flex_tuned_options say), flash (FlashAttention-4's CuTe kernels, torch's FLASH backend of flex "
         "attention; 16-bit heads on Hopper / Blackwell GPUs; needs the flash-attn-4 package: pip install "
         "'asyncgrpo[flash]'), or auto (flash where flash-attn-4 is installed, the GPU is Hopper / Blackwell, it has "
-        "kernels for the model's head dim and model.flex_kernel_options is empty; else triton).",
+        "kernels for the model's head dim, model.flex_kernel_options is empty and FlashAttention-4 passes a first-use "
+        "check against SDPA; else triton).",
     )
     linear_attention_kernel: LinearAttentionKernel = F(
         "auto",

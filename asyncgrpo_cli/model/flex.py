@@ -25,14 +25,7 @@ checked against torch's names) and passed to every ``flex_attention`` call, comp
 ``model.flex_tuned_options=true``, 16-bit q / k / v only), else torch's own table for the GPU. ``asyncgrpo bench
 attention`` measures candidates on packed rows' masks; ``bench trainer flex_options=`` whole steps with them.
 
-Kernels (``model.flex_backend``, :func:`resolve_flex_backend`): ``triton`` is torch's Triton templates, with the
-options above; ``flash`` is torch's FLASH backend of flex (``kernel_options={"BACKEND": "FLASH"}``):
-FlashAttention-4's CuTe DSL kernels, generated for the row's mask and block lists, from the ``flash-attn-4``
-package, for 16-bit heads on Hopper / Blackwell GPUs (a call with fp32 heads runs the Triton kernels). ``auto``
-takes flash where it can run and no Triton tiles were set. On an H100, tree rows of 16k / 64k tokens, 0.6B heads:
-forward+backward 1.20x / 1.23x faster than the tuned Triton kernels, outputs and gradients equal to bf16
-rounding; whole 0.6B steps 1.17-1.22x (docs/benchmarks.md). Its backward accumulates dq atomically, so two runs
-are not bit-identical (torch refuses it under ``torch.use_deterministic_algorithms`` on Hopper).
+Kernels (``model.flex_backend``): Triton templates, or FlashAttention-4's where it runs (``model/flex_backend.py``).
 
 This module imports neither torch nor transformers at import time (``asyncgrpo check`` validates the choice).
 """
@@ -43,6 +36,7 @@ import functools
 from typing import Any
 
 from asyncgrpo_cli.config.schema import ATTN_CHOICES
+from asyncgrpo_cli.model.flex_backend import FLASH_OPTIONS
 
 FLEX_IMPL = "asyncgrpo_flex"
 """The transformers ``attn_implementation`` key :func:`flex_attention_forward` is registered under."""
@@ -60,85 +54,12 @@ to the bit (the key tile, which sets the reduction order, is 64 in both). Whole 
 within run-to-run noise (the forward is ~9% of a 0.6B step). The backward keeps torch's tiles, which every
 candidate lost to (docs/benchmarks.md, 2026-12-03)."""
 
-FLASH_CAPABILITIES = (9, 10, 11)
-"""CUDA capability majors FlashAttention-4 runs flex attention on (Hopper, Blackwell; measured on sm90)."""
-FLASH_OPTIONS = {"BACKEND": "FLASH"}
-"""The ``kernel_options`` that select torch's FLASH backend of flex attention."""
-
 _KERNEL_OPTIONS: dict[str, Any] = {}
 """``model.flex_kernel_options`` of this process's policy (:func:`set_kernel_options`)."""
 _TUNED_GPU: list[tuple[int, int]] = []
 """The capability of this process's GPU when its :data:`TUNED_OPTIONS` apply (:func:`set_kernel_options`)."""
 _FLASH: list[bool] = []
 """Non-empty when this process's flex calls of 16-bit heads run FlashAttention-4 (:func:`set_kernel_options`)."""
-
-
-def flash_installed() -> bool:
-    """Whether FlashAttention-4's CuTe kernels (``flash_attn.cute``, the ``flash-attn-4`` package) can be found."""
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("flash_attn.cute") is not None
-    except (ImportError, ValueError):  # a flash_attn without cute, or one that fails to import
-        return False
-
-
-def flash_head_dim(capability: tuple[int, int], head_dim: int) -> bool:
-    """Whether FlashAttention-4 has kernels for heads of ``head_dim`` on a GPU of ``capability`` (its interface's
-    rule: multiples of 8 up to 256 on Hopper; up to 128, or 256, on Blackwell)."""
-    if head_dim % 8 or head_dim < 8:
-        return False
-    return head_dim <= 256 if capability[0] == 9 else head_dim <= 128 or head_dim == 256
-
-
-def resolve_flex_backend(
-    choice: str,
-    capability: tuple[int, int] | None,
-    installed: bool,
-    triton_tiles: bool = False,
-    head_dim: int | None = None,
-) -> str:
-    """``flash`` or ``triton`` for ``model.flex_backend=choice`` on a GPU of ``capability`` (None: no CUDA
-    device), with flash-attn-4 ``installed`` or not, Triton tiles set in ``model.flex_kernel_options`` or not, for
-    the model's heads of ``head_dim`` (None: not known yet).
-
-    Raises ValueError naming the key and the fix when ``flash`` was asked for and cannot run.
-    """
-    import torch
-    from torch.nn.attention.flex_attention import FlexKernelOptions
-
-    if choice == "triton":
-        return "triton"
-    torch_has = "BACKEND" in FlexKernelOptions.__optional_keys__ | FlexKernelOptions.__required_keys__
-    gpu = capability is not None and capability[0] in FLASH_CAPABILITIES
-    heads = gpu and (head_dim is None or flash_head_dim(capability, head_dim))
-    if choice == "auto":
-        return "flash" if installed and torch_has and heads and not triton_tiles else "triton"
-    if not torch_has:
-        raise ValueError(
-            f"model.flex_backend=flash: torch {torch.__version__} has no FLASH backend of flex attention: "
-            "use model.flex_backend=triton, or a newer torch"
-        )
-    if not installed:
-        raise ValueError(
-            "model.flex_backend=flash needs FlashAttention-4 (the flash-attn-4 package): pip install "
-            "'asyncgrpo[flash]' (for torch's CUDA 13 builds also 'flash-attn-4[cu13]'), or use "
-            "model.flex_backend=auto or triton"
-        )
-    if not gpu:
-        where = (
-            "no CUDA device" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
-        )
-        raise ValueError(
-            f"model.flex_backend=flash: FlashAttention-4 runs on Hopper / Blackwell GPUs (compute capability "
-            f"{', '.join(f'{c}.x' for c in FLASH_CAPABILITIES)}), not on {where}: use model.flex_backend=triton"
-        )
-    if not heads:
-        raise ValueError(
-            f"model.flex_backend=flash: FlashAttention-4 has no kernels for heads of dim {head_dim} on compute "
-            f"capability {capability[0]}.{capability[1]}: use model.flex_backend=triton"
-        )
-    return "flash"
 
 
 def tuned_options(capability: tuple[int, int] | None, head_dim: int, dtype: Any) -> dict[str, Any]:

@@ -44,6 +44,12 @@ def attention_head_dim(config: Any) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
+def attention_heads(config: Any) -> tuple[int, int]:
+    """(query heads, key / value heads) of a decoder config (its ``text_config`` for a multimodal wrapper)."""
+    cfg = getattr(config, "text_config", None) or config
+    return cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+
 def load_tokenizer(path: str, cfg: ModelConfig) -> Any:
     from transformers import AutoTokenizer
 
@@ -77,11 +83,10 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
     from asyncgrpo_cli.model.flex import (
         FLEX_IMPL,
         describe_options,
-        flash_installed,
         resolve_attn_implementation,
-        resolve_flex_backend,
         set_kernel_options,
     )
+    from asyncgrpo_cli.model.flex_backend import flash_installed, flash_problem, resolve_flex_backend
     from asyncgrpo_cli.model.gdn.layer import resolve_kernel
 
     try:
@@ -108,6 +113,16 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
                 triton_tiles=bool(cfg.flex_kernel_options),
                 head_dim=attention_head_dim(config),
             )
+            if backend == "flash" and cfg.flex_backend == "auto":
+                problem = flash_problem(dev, *attention_heads(config), attention_head_dim(config))
+                if problem is not None:
+                    logger.warning(
+                        "model.flex_backend=auto: FlashAttention-4 failed its first-use check on %s (%s). Using "
+                        "flex attention's Triton kernels; model.flex_backend=triton skips the check.",
+                        dev,
+                        problem,
+                    )
+                    backend = "triton"
             set_kernel_options(
                 cfg.flex_kernel_options, dev if cfg.flex_tuned_options else None, flash=backend == "flash"
             )

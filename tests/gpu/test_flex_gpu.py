@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from asyncgrpo_cli.config.schema import LossConfig, ModelConfig, PackingConfig
+from asyncgrpo_cli.model import flex_backend
 from asyncgrpo_cli.model.flex import FLEX_IMPL, register_flex
 from asyncgrpo_cli.model.logprobs import token_logprobs
 from asyncgrpo_cli.packing.sequence import SequencePacker
@@ -187,10 +188,11 @@ def test_flex_matches_sdpa_on_an_8k_row(kind):
 
 def flash_or_skip() -> None:
     """Skip unless model.flex_backend=auto would pick FlashAttention-4 here (flash-attn-4, Hopper / Blackwell)."""
-    from asyncgrpo_cli.model import flex
 
     if (
-        flex.resolve_flex_backend("auto", torch.cuda.get_device_capability(CUDA), flex.flash_installed())
+        flex_backend.resolve_flex_backend(
+            "auto", torch.cuda.get_device_capability(CUDA), flex_backend.flash_installed()
+        )
         != "flash"
     ):
         pytest.skip("model.flex_backend=flash: needs flash-attn-4 and a Hopper / Blackwell GPU")
@@ -213,7 +215,7 @@ def test_flash_backend_matches_sdpa_in_bf16(kind):
     flex.set_kernel_options({}, tuned_for=CUDA, flash=True)
     try:
         q = torch.empty(1, 4, 8, 64, dtype=torch.bfloat16, device=CUDA)
-        assert flex.call_options(q) == flex.FLASH_OPTIONS
+        assert flex.call_options(q) == flex_backend.FLASH_OPTIONS
         assert_match(tiny_qwen3(torch.bfloat16), row.to(CUDA), torch.bfloat16)
     finally:
         flex.set_kernel_options({})
@@ -261,7 +263,9 @@ def test_trainer_loader_and_step_use_flex_on_cuda(tmp_path):
     model = load_policy(str(tmp_path), ModelConfig(name_or_path=str(tmp_path), dtype="bfloat16"), CUDA)
     assert model.config._attn_implementation == FLEX_IMPL
     # model.flex_backend=auto: FlashAttention-4 where it runs, the Triton kernels elsewhere
-    auto = flex.resolve_flex_backend("auto", torch.cuda.get_device_capability(CUDA), flex.flash_installed())
+    auto = flex_backend.resolve_flex_backend(
+        "auto", torch.cuda.get_device_capability(CUDA), flex_backend.flash_installed()
+    )
     assert bool(flex._FLASH) == (auto == "flash")
     samples = groups(np.random.default_rng(3), 2, forks=8, prompt=100, completion=20)
     rows = [samples[:8], samples[8:]]

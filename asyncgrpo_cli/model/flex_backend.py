@@ -1,0 +1,209 @@
+"""Which kernels run flex attention (``model.flex_backend``), and FlashAttention-4's first-use check.
+
+``triton`` is torch's Triton templates of flex attention, with the tiles of ``model/flex.py``. ``flash`` is torch's
+FLASH backend of flex (``kernel_options={"BACKEND": "FLASH"}``): FlashAttention-4's CuTe DSL kernels, generated
+for the row's mask and block lists, from the ``flash-attn-4`` package, for 16-bit heads on Hopper / Blackwell GPUs
+(a call with fp32 heads runs the Triton kernels). ``auto`` (the default) takes flash where it can run
+(:func:`resolve_flex_backend`: the package, the GPU, the head dim, no Triton tiles given) and it passes its
+first-use check. On an H100, tree rows of 16k / 64k tokens, 0.6B heads: forward+backward 1.20x / 1.23x faster than
+the tuned Triton kernels, outputs and gradients equal to bf16 rounding; whole 0.6B steps 1.17-1.26x
+(docs/benchmarks.md). Its backward accumulates dq atomically, so two runs are not bit-identical (torch refuses it
+under ``torch.use_deterministic_algorithms`` on Hopper).
+
+The first-use check (:func:`flash_problem`, ``auto`` only): torch's FLASH backend is experimental and
+flash-attn-4 is a beta, so a pair that does not work together (an API either side changed, a CuTe DSL build for
+another CUDA) would otherwise fail at the first training step. Before the model trains, ``auto`` runs FlashAttention-4
+forward and backward on a small tree row's mask with the model's heads and compares it with the same attention
+computed by SDPA with a dense mask in fp32; a failure or a mismatch is logged once with its reason and the
+run goes on with the Triton kernels. ``flash`` skips the check and lets any error through. The check's row mask is
+built as a training row's on CUDA (``model/flex.py`` ``row_block_mask``: the same mask function and padding).
+
+This module imports neither torch nor flash-attn-4 at import time.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+FLASH_CAPABILITIES = (9, 10, 11)
+"""CUDA capability majors FlashAttention-4 runs flex attention on (Hopper, Blackwell; measured on sm90)."""
+FLASH_OPTIONS = {"BACKEND": "FLASH"}
+"""The ``kernel_options`` that select torch's FLASH backend of flex attention."""
+
+
+def flash_installed() -> bool:
+    """Whether FlashAttention-4's CuTe kernels (``flash_attn.cute``, the ``flash-attn-4`` package) can be found."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except (ImportError, ValueError):  # a flash_attn without cute, or one that fails to import
+        return False
+
+
+def flash_head_dim(capability: tuple[int, int], head_dim: int) -> bool:
+    """Whether FlashAttention-4 has kernels for heads of ``head_dim`` on a GPU of ``capability`` (its interface's
+    rule: multiples of 8 up to 256 on Hopper; up to 128, or 256, on Blackwell)."""
+    if head_dim % 8 or head_dim < 8:
+        return False
+    return head_dim <= 256 if capability[0] == 9 else head_dim <= 128 or head_dim == 256
+
+
+def resolve_flex_backend(
+    choice: str,
+    capability: tuple[int, int] | None,
+    installed: bool,
+    triton_tiles: bool = False,
+    head_dim: int | None = None,
+) -> str:
+    """``flash`` or ``triton`` for ``model.flex_backend=choice`` on a GPU of ``capability`` (None: no CUDA
+    device), with flash-attn-4 ``installed`` or not, Triton tiles set in ``model.flex_kernel_options`` or not, for
+    the model's heads of ``head_dim`` (None: not known yet).
+
+    Raises ValueError naming the key and the fix when ``flash`` was asked for and cannot run.
+    """
+    import torch
+    from torch.nn.attention.flex_attention import FlexKernelOptions
+
+    if choice == "triton":
+        return "triton"
+    torch_has = "BACKEND" in FlexKernelOptions.__optional_keys__ | FlexKernelOptions.__required_keys__
+    gpu = capability is not None and capability[0] in FLASH_CAPABILITIES
+    heads = gpu and (head_dim is None or flash_head_dim(capability, head_dim))
+    if choice == "auto":
+        return "flash" if installed and torch_has and heads and not triton_tiles else "triton"
+    if not torch_has:
+        raise ValueError(
+            f"model.flex_backend=flash: torch {torch.__version__} has no FLASH backend of flex attention: "
+            "use model.flex_backend=triton, or a newer torch"
+        )
+    if not installed:
+        raise ValueError(
+            "model.flex_backend=flash needs FlashAttention-4 (the flash-attn-4 package): pip install "
+            "'asyncgrpo[flash]' (for torch's CUDA 13 builds also 'flash-attn-4[cu13]'), or use "
+            "model.flex_backend=auto or triton"
+        )
+    if not gpu:
+        where = (
+            "no CUDA device" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
+        )
+        raise ValueError(
+            f"model.flex_backend=flash: FlashAttention-4 runs on Hopper / Blackwell GPUs (compute capability "
+            f"{', '.join(f'{c}.x' for c in FLASH_CAPABILITIES)}), not on {where}: use model.flex_backend=triton"
+        )
+    if not heads:
+        raise ValueError(
+            f"model.flex_backend=flash: FlashAttention-4 has no kernels for heads of dim {head_dim} on compute "
+            f"capability {capability[0]}.{capability[1]}: use model.flex_backend=triton"
+        )
+    return "flash"
+
+
+CHECK_TOLERANCE = 5e-2
+"""Largest output difference and relative gradient error the first-use check accepts (bf16 against fp32 on a
+384-token row is within ~1e-2; a kernel computing the wrong mask is off by far more)."""
+
+_checked: dict[tuple, str | None] = {}
+
+
+def flash_problem(device: Any, heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """Why FlashAttention-4 must not run this process's flex attention (None: it passed its check), checked once
+    per device and head shape (module docstring)."""
+    key = (str(device), heads, kv_heads, head_dim)
+    if key not in _checked:
+        _checked[key] = _check(device, heads, kv_heads, head_dim)
+    return _checked[key]
+
+
+def _check(device: Any, heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """FlashAttention-4 (bf16) against SDPA with the dense mask (fp32) on :func:`check_row`; None when they agree."""
+    import torch
+
+    from asyncgrpo_cli.packing.attention import dense_mask, flex_block_mask, flex_length
+
+    with torch.inference_mode(False), torch.enable_grad():  # the loader may run under no_grad
+        try:
+            leave = check_row(device)
+            q, k, v, grad = check_inputs(device, heads, kv_heads, head_dim, leave.shape[0])
+            mask = flex_block_mask(leave, flex_length(leave.shape[0]))  # as model/flex.py's row_block_mask
+            got = attention_and_grads(flash_attend, q, k, v, grad, mask)
+            fp32 = (x.float() for x in (q, k, v, grad))
+            want = attention_and_grads(dense_attend, *fp32, dense_mask(leave))
+        except Exception as exc:  # a compile or launch failure of this torch / flash-attn-4 pair: reported
+            text = str(exc).strip().splitlines()
+            return f"{type(exc).__name__}: {text[0][:200].rstrip('.') if text else ''}"
+    return compare(got, want)
+
+
+def compare(got: list[Any], want: list[Any]) -> str | None:
+    """None when the outputs (first) agree within :data:`CHECK_TOLERANCE` and each gradient does, relatively."""
+    err = float((got[0].float() - want[0].float()).abs().max())
+    if not err <= CHECK_TOLERANCE:
+        return f"its output differs from SDPA's by {err:.3g}"
+    for name, g, w in zip(("dq", "dk", "dv"), got[1:], want[1:], strict=True):
+        rel = float((g.float() - w.float()).norm() / w.float().norm().clamp_min(1e-30))
+        if not rel <= CHECK_TOLERANCE:
+            return f"its {name} differs from SDPA's by {rel:.3g} (relative)"
+    return None
+
+
+def check_row(device: Any) -> Any:
+    """A small tree row's intervals (int64 [384]): a 128-token prompt, then two completions below it (96 and 160
+    tokens); a prompt token's interval covers the row, a completion token's its own completion."""
+    import torch
+
+    leave = torch.full((384,), 384, dtype=torch.int64)
+    leave[128:224] = 224
+    return leave.to(device)
+
+
+def check_inputs(device: Any, heads: int, kv_heads: int, head_dim: int, n: int) -> tuple[Any, ...]:
+    """Random bf16 q [1, heads, n, D], k / v [1, kv_heads, n, D] and an output gradient like q."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(h: int) -> Any:
+        return torch.randn(1, h, n, head_dim, device=device, generator=gen).to(torch.bfloat16)
+
+    return rand(heads), rand(kv_heads), rand(kv_heads), rand(heads)
+
+
+def attention_and_grads(attend: Any, q: Any, k: Any, v: Any, grad: Any, mask: Any) -> list[Any]:
+    """[output, dq, dk, dv] of ``attend(q, k, v, mask)`` on leaves copied from q / k / v."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = attend(*leaves, mask)
+    out.backward(grad)
+    return [out.detach(), *(x.grad for x in leaves)]
+
+
+def dense_attend(q: Any, k: Any, v: Any, mask: Any) -> Any:
+    """SDPA with a dense bool mask (True: attend), GQA heads expanded."""
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def flash_attend(q: Any, k: Any, v: Any, mask: Any) -> Any:
+    """Compiled flex attention on FlashAttention-4's kernels: q / k / v zero-padded to the BlockMask's length as a
+    training row's are (``model/flex.py``), the output cropped back."""
+    import torch.nn.functional as F
+
+    n, length = q.shape[-2], mask.seq_lengths[0]
+    padded = [F.pad(x, (0, 0, 0, length - n)) for x in (q, k, v)]
+    return _compiled_flash()(*padded, mask)[:, :, :n]
+
+
+@functools.cache
+def _compiled_flash() -> Any:
+    """``torch.compile`` of a function of its own, so the check's graph counts against no limit of the training
+    path's compiled ``flex_attention``."""
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def attend(q: Any, k: Any, v: Any, mask: Any) -> Any:
+        gqa = q.shape[1] != k.shape[1]
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=dict(FLASH_OPTIONS))
+
+    return torch.compile(attend, dynamic=False)

@@ -221,6 +221,15 @@ def test_flash_backend_matches_sdpa_in_bf16(kind):
         flex.set_kernel_options({})
 
 
+@pytest.mark.parametrize("heads", [(4, 2, 64), (16, 8, 128)])
+def test_flash_passes_its_first_use_check(heads):
+    """model.flex_backend=auto's check (model/flex_backend.py): FlashAttention-4 on its small tree row agrees with
+    SDPA in fp32, forward and backward, for the tiny test model's heads and the Qwen3 shapes'."""
+    flash_or_skip()
+    flex_backend._checked.clear()
+    assert flex_backend.flash_problem(CUDA, *heads) is None
+
+
 @pytest.mark.parametrize("backend", ["triton", "flash"])
 def test_a_new_row_length_in_the_same_bucket_does_not_recompile(backend):
     from asyncgrpo_cli.model import flex

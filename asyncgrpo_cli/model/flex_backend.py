@@ -24,7 +24,10 @@ This module imports neither torch nor flash-attn-4 at import time.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 FLASH_CAPABILITIES = (9, 10, 11)
 """CUDA capability majors FlashAttention-4 runs flex attention on (Hopper, Blackwell; measured on sm90)."""
@@ -98,6 +101,34 @@ def resolve_flex_backend(
             f"capability {capability[0]}.{capability[1]}: use model.flex_backend=triton"
         )
     return "flash"
+
+
+def backend_for(
+    choice: str, device: Any, heads: int, kv_heads: int, head_dim: int, triton_tiles: bool
+) -> str:
+    """``flash`` or ``triton``: the kernels flex attention runs for ``model.flex_backend=choice`` on ``device`` for
+    the model's heads (query and key / value heads of ``head_dim``); under ``auto``, flash only once it passed its
+    first-use check (a failure is logged once, with its reason, and Triton's kernels run).
+
+    Raises ValueError naming the key and the fix when ``flash`` was asked for and cannot run.
+    """
+    import torch
+
+    dev = torch.device(device)
+    gpu = dev.type == "cuda" and torch.cuda.is_available()
+    capability = torch.cuda.get_device_capability(dev) if gpu else None
+    backend = resolve_flex_backend(choice, capability, flash_installed(), triton_tiles, head_dim)
+    if backend == "flash" and choice == "auto":
+        problem = flash_problem(dev, heads, kv_heads, head_dim)
+        if problem is not None:
+            logger.warning(
+                "model.flex_backend=auto: FlashAttention-4 failed its first-use check on %s (%s). Using flex "
+                "attention's Triton kernels; model.flex_backend=triton skips the check.",
+                dev,
+                problem,
+            )
+            return "triton"
+    return backend
 
 
 CHECK_TOLERANCE = 5e-2

@@ -86,7 +86,7 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
         resolve_attn_implementation,
         set_kernel_options,
     )
-    from asyncgrpo_cli.model.flex_backend import flash_installed, flash_problem, resolve_flex_backend
+    from asyncgrpo_cli.model.flex_backend import backend_for
     from asyncgrpo_cli.model.gdn.layer import resolve_kernel
 
     try:
@@ -104,25 +104,8 @@ def load_policy(path: str, cfg: ModelConfig, device: Any) -> Any:
         kernel = resolve_kernel(cfg.linear_attention_kernel, torch.device(device)) if linear else None
         if attn == FLEX_IMPL:
             dev = torch.device(device)
-            gpu = dev.type == "cuda" and torch.cuda.is_available()
-            capability = torch.cuda.get_device_capability(dev) if gpu else None
-            backend = resolve_flex_backend(
-                cfg.flex_backend,
-                capability,
-                flash_installed(),
-                triton_tiles=bool(cfg.flex_kernel_options),
-                head_dim=attention_head_dim(config),
-            )
-            if backend == "flash" and cfg.flex_backend == "auto":
-                problem = flash_problem(dev, *attention_heads(config), attention_head_dim(config))
-                if problem is not None:
-                    logger.warning(
-                        "model.flex_backend=auto: FlashAttention-4 failed its first-use check on %s (%s). Using "
-                        "flex attention's Triton kernels; model.flex_backend=triton skips the check.",
-                        dev,
-                        problem,
-                    )
-                    backend = "triton"
+            heads = (*attention_heads(config), attention_head_dim(config))
+            backend = backend_for(cfg.flex_backend, dev, *heads, triton_tiles=bool(cfg.flex_kernel_options))
             set_kernel_options(
                 cfg.flex_kernel_options, dev if cfg.flex_tuned_options else None, flash=backend == "flash"
             )

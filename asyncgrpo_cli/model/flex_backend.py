@@ -6,7 +6,7 @@ for the row's mask and block lists, from the ``flash-attn-4`` package, for 16-bi
 (a call with fp32 heads runs the Triton kernels). ``auto`` (the default) takes flash where it can run
 (:func:`resolve_flex_backend`: the package, the GPU, the head dim, no Triton tiles given) and it passes its
 first-use check. On an H100, tree rows of 16k / 64k tokens, 0.6B heads: forward+backward 1.20x / 1.23x faster than
-the tuned Triton kernels, outputs and gradients equal to bf16 rounding; whole 0.6B steps 1.17-1.26x
+the tuned Triton kernels, outputs and gradients equal to bf16 rounding; whole 0.6B steps 1.2x
 (docs/benchmarks.md). Its backward accumulates dq atomically, so two runs are not bit-identical (torch refuses it
 under ``torch.use_deterministic_algorithms`` on Hopper).
 

@@ -26,7 +26,8 @@ ServeDtype = Annotated[str, Literal["float32", "bfloat16", "float16"]]
 AttnImplementation = Annotated[
     str,
     Literal["auto", "sdpa", "eager", "flex_attention"],
-    "flash kernels would ignore a packed row's attention mask",
+    "transformers' flash_attention kernels would ignore a packed row's attention mask; FlashAttention-4 runs "
+    "under flex attention: model.flex_backend",
 ]
 FlexBackend = Annotated[str, Literal["auto", "triton", "flash"]]
 LinearAttentionKernel = Annotated[str, Literal["auto", "torch", "fla"]]

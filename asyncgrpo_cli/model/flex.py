@@ -138,8 +138,9 @@ def resolve_attn_implementation(name: str, device: Any) -> str:
     """
     if name not in ATTN_CHOICES:
         raise ValueError(
-            f"model.attn_implementation={name!r} is not supported: use one of {', '.join(ATTN_CHOICES)} (flash "
-            "kernels would ignore a packed row's attention mask)"
+            f"model.attn_implementation={name!r} is not supported: use one of {', '.join(ATTN_CHOICES)} "
+            "(transformers' flash_attention kernels would ignore a packed row's attention mask; FlashAttention-4 "
+            "runs under flex attention: model.flex_backend)"
         )
     if name == "auto":
         name = "flex_attention" if device.type == "cuda" else "sdpa"

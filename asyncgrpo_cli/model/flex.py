@@ -122,7 +122,10 @@ def describe_options(head_dim: int) -> str:
     import torch
 
     if _FLASH:
-        return "FlashAttention-4 (model.flex_backend; fp32 heads: Triton)"
+        return (
+            "FlashAttention-4 (model.flex_backend; fp32 heads: Triton; its backward is not bit-reproducible: "
+            "model.flex_backend=triton for that)"
+        )
     if _KERNEL_OPTIONS:
         return f"model.flex_kernel_options {_KERNEL_OPTIONS}"
     tuned = tuned_options(_TUNED_GPU[0] if _TUNED_GPU else None, head_dim, torch.bfloat16)

@@ -76,24 +76,18 @@ of flex (``model.flex_backend=flash``: CuTe DSL kernels; needs the ``flash-attn-
 refused)."""
 
 
-def candidate_options(name: str, q: Any) -> dict[str, Any] | None:
-    """The ``kernel_options`` candidate ``name`` passes for q [B, H, L, D] (``None``: torch's table): ``default``
-    and ``triton`` as a run's flex calls get them (``model/flex.py`` ``call_options``) with model.flex_backend
-    auto or triton."""
-    import torch
-
-    from asyncgrpo_cli.model import flex, flex_backend
+def candidate_options(name: str, q: Any, kv_heads: int) -> dict[str, Any] | None:
+    """The ``kernel_options`` candidate ``name`` passes for q [B, H, L, D] over ``kv_heads`` key / value heads
+    (``None``: torch's table): ``default`` and ``triton`` as a run's flex calls get them with model.flex_backend
+    auto or triton (the loader's choice, ``model/flex_backend.py`` ``backend_for``, then ``model/flex.py``
+    ``call_options``)."""
+    from asyncgrpo_cli.model import flex
+    from asyncgrpo_cli.model.flex_backend import backend_for
 
     if name not in ("default", "triton"):
         return KERNEL_OPTIONS.get(name) or None
-    capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
-    backend = (
-        "triton"
-        if name == "triton"
-        else flex_backend.resolve_flex_backend(
-            "auto", capability, flex_backend.flash_installed(), head_dim=q.shape[-1]
-        )
-    )
+    choice = "auto" if name == "default" else "triton"
+    backend = backend_for(choice, q.device, q.shape[1], kv_heads, q.shape[-1], triton_tiles=False)
     flex.set_kernel_options({}, q.device if q.is_cuda else None, flash=backend == "flash")
     try:
         return flex.call_options(q)
@@ -244,7 +238,7 @@ def measure(
         attend = torch.compile(flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs")
     else:
         attend = torch.compile(flex_attention, dynamic=False)
-    options = candidate_options(name, q)
+    options = candidate_options(name, q, k.shape[1])
 
     def forward() -> Any:
         return attend(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=options)

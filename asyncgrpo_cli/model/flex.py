@@ -101,7 +101,8 @@ def set_kernel_options(options: dict[str, Any], tuned_for: Any = None, flash: bo
 
 
 def active_backend() -> str:
-    """``flash`` or ``triton``: the kernels this process's flex calls of 16-bit heads run (:func:`set_kernel_options`)."""
+    """``flash`` or ``triton``: the kernels this process's flex calls of 16-bit heads run
+    (:func:`set_kernel_options`)."""
     return "flash" if _FLASH else "triton"
 
 

@@ -374,8 +374,9 @@ def gather_loss_terms(
     ``pred_index = packed_positions[s][t - 1]``, ``target_ids = input_ids[t]``, plus the sample's sampler
     log-prob, advantage, index, candidate set (``support_ids``) and token extras (``extras``, by name). Returns the
     ``PackedRow`` loss fields (:func:`loss_terms`). ``input_ids``: the samples' ids one after another, when the
-    packer has them already (then not concatenated again), and ``lengths`` their lengths. The row's arrays are concatenated once and indexed by
-    the flat trained positions, so the cost is a few array operations per row plus attribute reads per sample.
+    packer has them already (then not concatenated again), and ``lengths`` their lengths. The row's arrays are
+    concatenated once and indexed by the flat trained positions, so the cost is a few array operations per row plus
+    attribute reads per sample.
     """
     n = len(samples)
     if lengths is None:

@@ -7,12 +7,22 @@ over every parameter, which kept the host busy for milliseconds at the end of ev
 (the idle report of ``trainer.profile``). The same arithmetic on the local tensors is the same kernels: each
 shard's norm, their 2-norm, then the reduction DTensor's partial norm does (square, all-reduce sum over the
 shard group, square root) and the same clamped coefficient, so the norm and the clipped gradients are bit for
-bit those of ``clip_grad_norm_`` (tests/test_clip.py). Gradients it cannot read that way (other placements,
+bit those of ``clip_grad_norm_`` (tests/test_local_shards.py). Gradients it cannot read that way (other placements,
 several meshes, CPU-offloaded shards of a GPU mesh) take ``clip_grad_norm_`` itself.
+
+:class:`AdamW` is torch's, with the same move for its step. torch's step hands the DTensor parameters,
+gradients and moments to its fused (or ``foreach``) kernel, and DTensor's dispatch then checks the shardings of
+each tensor in Python: 8 ms of host time on an H100 host for the ~310 parameters of a Qwen3 model (6 ms on a
+2-core VM, 3.5 ms there on local tensors), at the end of the step, where the GPU may wait for the update. Where each parameter, its gradient and its moments are DTensors of one
+placement without a pending reduction (FSDP2's shards), the step hands the kernel their local tensors instead:
+the same kernel on the same values, so the update is bit for bit torch's (tests/test_local_shards.py). The
+moments stay DTensors in the optimizer's state, so checkpoints save and reshard them as before. The first step
+(which creates the state), a closure, and any other layout take torch's step itself.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -31,13 +41,102 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig) -> torch.optim.O
         {"params": no_decay, "weight_decay": 0.0},
     ]
     fused = all(p.is_cuda for p in params) and bool(params)
-    return torch.optim.AdamW(
+    return AdamW(
         groups,
         lr=cfg.learning_rate,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_epsilon,
         fused=fused or None,
     )
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW whose steps run its kernel on FSDP2's local shards where it can (module docstring)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        groups = None if closure is not None else self.local_groups()
+        if groups is None:
+            return inspect.unwrap(torch.optim.AdamW.step)(self, closure)
+        from torch.optim.adam import adam
+
+        for group, (params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps) in zip(self.param_groups, groups):
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            adam(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                max_sqs,
+                steps,
+                amsgrad=group["amsgrad"],
+                has_complex=False,
+                beta1=beta1,
+                beta2=beta2,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=group["maximize"],
+                foreach=group["foreach"],
+                capturable=group["capturable"],
+                differentiable=False,
+                fused=group["fused"],
+                grad_scale=getattr(self, "grad_scale", None),
+                found_inf=getattr(self, "found_inf", None),
+                decoupled_weight_decay=group["decoupled_weight_decay"],
+            )
+        return None
+
+    def local_groups(self) -> list[tuple[list[torch.Tensor], ...]] | None:
+        """Per param group: the local tensors of the parameters that have a gradient, their gradients, moments
+        (and AMSGrad maxima) and step counts, as torch's step would pass them to its kernel; None where the step
+        must be torch's: no DTensor to unwrap, state not created yet, an implementation choice left to torch
+        (neither ``fused`` nor ``foreach`` set), complex or sparse tensors, or DTensors of different meshes or
+        placements, or with a pending reduction."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        out: list[tuple[list[torch.Tensor], ...]] = []
+        unwrapped = False
+        elementwise: dict[tuple[Any, ...], bool] = {}  # placements -> no pending reduction
+        for group in self.param_groups:
+            if group["differentiable"] or "decoupled_weight_decay" not in group:
+                return None
+            if not (group["fused"] or group["foreach"]):
+                return None
+            keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+            lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
+                state = self.state.get(p)
+                if not state or "step" not in state or any(k not in state for k in keys):
+                    return None
+                if p.is_complex() or grad.is_sparse:
+                    return None
+                tensors = [p, grad] + [state[k] for k in keys]
+                if isinstance(p, DTensor):
+                    mesh, placements = p.device_mesh, p.placements
+                    if placements not in elementwise:
+                        elementwise[placements] = all(isinstance(pl, (Shard, Replicate)) for pl in placements)
+                    if not elementwise[placements]:
+                        return None
+                    for t in tensors[1:]:
+                        if not isinstance(t, DTensor) or t.placements != placements:
+                            return None
+                        if t.device_mesh is not mesh and t.device_mesh != mesh:
+                            return None
+                    tensors = [t.to_local() for t in tensors]
+                    unwrapped = True
+                elif any(isinstance(t, DTensor) for t in tensors):
+                    return None
+                for dest, t in zip(lists, tensors):
+                    dest.append(t)
+                lists[5].append(state["step"])
+            out.append(lists)
+        return out if unwrapped else None
 
 
 def lr_factor(step: int, cfg: TrainerConfig) -> float:

@@ -1,5 +1,5 @@
-"""The gradient clip on FSDP2's local shards (``train/optim.clip_grad_norm``) against
-``torch.nn.utils.clip_grad_norm_`` on the DTensors: the same norm and the same clipped gradients, bit for bit."""
+"""The gradient clip and the AdamW step on FSDP2's local shards (``train/optim``) against torch's on the
+DTensors: the same norm, clipped gradients, parameters and moments, bit for bit."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from asyncgrpo_cli.model.loading import load_policy
 from asyncgrpo_cli.packing.sequence import SequencePacker
 from asyncgrpo_cli.train.distributed import DistInfo, destroy_distributed, shard_model
 from asyncgrpo_cli.train.losses import ClippedLoss
-from asyncgrpo_cli.train.optim import _local_shards, clip_grad_norm
+from asyncgrpo_cli.train.optim import AdamW, _local_shards, clip_grad_norm
 from asyncgrpo_cli.train.step import forward_backward
 
 CPU = torch.device("cpu")
@@ -101,5 +101,69 @@ def test_gradients_the_local_path_cannot_read_take_torchs_clip(tiny_model_dir):
         assert _local_shards(mixed) is None
         assert _local_shards([torch.ones(3)]) is not None
         assert clip_grad_norm([], 1.0).item() == 0.0
+    finally:
+        destroy_distributed()
+
+
+def _adamw_steps(model, cls, impl: str, amsgrad: bool, grads: list[torch.Tensor]):
+    """Three steps of ``cls`` from the model's current weights with ``grads`` (halved after each step): the final
+    local parameters, moments and step counts, and (ours only) whether each step took the local path."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p, g in zip(params, grads):
+        _local(p.grad).copy_(g)
+    groups = [{"params": params[::2], "weight_decay": 0.1}, {"params": params[1::2], "weight_decay": 0.0}]
+    opt = cls(groups, lr=1e-2, amsgrad=amsgrad, **{impl: True})
+    local = []
+    for _ in range(3):
+        if isinstance(opt, AdamW):
+            local.append(opt.local_groups() is not None)
+        opt.step()
+        with torch.no_grad():
+            for p in params:
+                _local(p.grad).mul_(0.5)
+    keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+    state = [[_local(opt.state[p][k]).clone() for k in keys] + [opt.state[p]["step"].clone()] for p in params]
+    return [_local(p).detach().clone() for p in params], state, local
+
+
+@pytest.mark.parametrize(("impl", "amsgrad"), [("fused", False), ("foreach", True)])
+def test_adamw_on_fsdp2_shards_is_torchs_adamw_bit_for_bit(tiny_model_dir, impl, amsgrad):
+    try:
+        model = _model_with_grads(tiny_model_dir, sharded=True)
+        params = [p for p in model.parameters() if p.requires_grad]
+        start = [_local(p).detach().clone() for p in params]
+        grads = [_local(p.grad).clone() for p in params]
+        runs = []
+        for cls in (torch.optim.AdamW, AdamW):
+            with torch.no_grad():
+                for p, s in zip(params, start):
+                    _local(p).copy_(s)
+            runs.append(_adamw_steps(model, cls, impl, amsgrad, grads))
+        assert type(model.state_dict()[next(iter(model.state_dict()))]).__name__ == "DTensor"
+    finally:
+        destroy_distributed()
+    (params_t, state_t, _), (params_o, state_o, local) = runs
+    assert local == [False, True, True]  # the first step creates the state through torch's step
+    assert any(not torch.equal(p, s) for p, s in zip(params_o, start))
+    for ref, got in zip(params_t + sum(state_t, []), params_o + sum(state_o, [])):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def test_adamw_takes_torchs_step_where_it_cannot_unwrap(tiny_model_dir):
+    plain = _model_with_grads(tiny_model_dir, sharded=False)
+    opt = AdamW(plain.parameters(), lr=1e-2, fused=True)
+    opt.step()
+    assert opt.local_groups() is None  # nothing to unwrap: torch's step is the same kernels
+    try:
+        model = _model_with_grads(tiny_model_dir, sharded=True)
+        chosen = AdamW(model.parameters(), lr=1e-2)  # neither fused nor foreach: torch picks the kernel
+        chosen.step()
+        assert chosen.local_groups() is None
+        fused = AdamW(model.parameters(), lr=1e-2, fused=True)
+        fused.step()
+        assert fused.local_groups() is not None
+        before = [_local(p).detach().clone() for p in model.parameters()]
+        fused.step(closure=lambda: 0.0)  # a closure takes torch's step, which still updates
+        assert any(not torch.equal(_local(p), b) for p, b in zip(model.parameters(), before))
     finally:
         destroy_distributed()

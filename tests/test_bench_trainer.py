@@ -221,7 +221,7 @@ def test_one_process_packs_the_next_first_row_under_the_step(tmp_path, monkeypat
 
     from asyncgrpo_cli.bench import trainer as bench
     from asyncgrpo_cli.train import step as step_mod
-    from asyncgrpo_cli.train.distributed import init_distributed
+    from asyncgrpo_cli.train.distributed import destroy_distributed, init_distributed
 
     seen = []
     real = step_mod.forward_backward
@@ -234,8 +234,11 @@ def test_one_process_packs_the_next_first_row_under_the_step(tmp_path, monkeypat
     cfg = parse_args([*TINY, "steps=2", "warmup=1"])
     device = torch.device("cpu")
     info = init_distributed(device, 60.0)
-    t = bench.build_trainer("tiny", cfg, info, device, tmp_path)
-    step_s, _, flops = bench.timed_steps(t, cfg, info, device)
+    try:  # FSDP2 starts a one-rank process group; the next test must not find it
+        t = bench.build_trainer("tiny", cfg, info, device, tmp_path)
+        step_s, _, flops = bench.timed_steps(t, cfg, info, device)
+    finally:
+        destroy_distributed()
     assert len(seen) == 3 and len(step_s) == 2 and flops > 0
     assert seen[0][1] is None and all(overlapped for *_, overlapped in seen)
     for samples, first_row, _ in seen[1:]:

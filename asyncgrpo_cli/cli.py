@@ -413,6 +413,7 @@ def _bench(args: list[str]) -> None:
         "planning": "asyncgrpo_cli.bench.planning:main",
         "transport": "asyncgrpo_cli.bench.transport:main",
         "scatter": "asyncgrpo_cli.bench.scatter:main",
+        "optimizer": "asyncgrpo_cli.bench.optimizer:main",
     }
     if not args or args[0] not in benches:
         raise UserError(f"asyncgrpo bench NAME [OVERRIDES]; benchmarks: {', '.join(benches)}")

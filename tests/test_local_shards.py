@@ -167,3 +167,39 @@ def test_adamw_takes_torchs_step_where_it_cannot_unwrap(tiny_model_dir):
         assert any(not torch.equal(_local(p), b) for p, b in zip(model.parameters(), before))
     finally:
         destroy_distributed()
+
+
+def test_adamw_resumed_from_a_checkpoint_steps_on_local_shards_as_the_saved_one(tiny_model_dir, tmp_path):
+    """Moments loaded through torch.distributed.checkpoint (as resuming does) are DTensors again, and the step after
+    the resume is the saved optimizer's next step, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from asyncgrpo_cli.train.checkpoint import _training_state
+
+    try:
+        saved = _model_with_grads(tiny_model_dir, sharded=True)
+        resumed = _model_with_grads(tiny_model_dir, sharded=True)
+        opt_saved = AdamW(saved.parameters(), lr=1e-2, fused=True)
+        opt_saved.step()
+        dcp.save(_training_state(saved, opt_saved), checkpoint_id=str(tmp_path / "dcp"))
+        opt_resumed = AdamW(resumed.parameters(), lr=1e-2, fused=True)
+        grads = [p.grad for p in resumed.parameters()]
+        opt_resumed.zero_grad(set_to_none=True)  # a run resumes before any backward
+        state = _training_state(resumed, opt_resumed)
+        dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
+        set_state_dict(resumed, opt_resumed, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for p, g in zip(resumed.parameters(), grads):
+            p.grad = g
+        assert opt_resumed.local_groups() is not None
+        for opt in (opt_saved, opt_resumed):
+            opt.step()
+        pairs = list(zip(saved.parameters(), resumed.parameters()))
+        for a, b in pairs:
+            torch.testing.assert_close(_local(b), _local(a), rtol=0, atol=0)
+            for k in ("exp_avg", "exp_avg_sq", "step"):
+                torch.testing.assert_close(
+                    _local(opt_resumed.state[b][k]), _local(opt_saved.state[a][k]), rtol=0, atol=0
+                )
+    finally:
+        destroy_distributed()

@@ -114,6 +114,10 @@ class AdamW(torch.optim.AdamW):
                 state = self.state.get(p)
                 if not state or "step" not in state or any(k not in state for k in keys):
                     return None
+                if isinstance(
+                    state["step"], DTensor
+                ):  # torch keeps it a plain tensor, also when loading state
+                    return None
                 if p.is_complex() or grad.is_sparse:
                     return None
                 tensors = [p, grad] + [state[k] for k in keys]

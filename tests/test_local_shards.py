@@ -203,3 +203,18 @@ def test_adamw_resumed_from_a_checkpoint_steps_on_local_shards_as_the_saved_one(
                 )
     finally:
         destroy_distributed()
+
+
+def test_adamw_runs_step_hooks_once_when_it_takes_torchs_step(tiny_model_dir):
+    """torch wraps an optimizer class's ``step`` once with its hooks; falling back to torch's step (hooked too once
+    a torch AdamW exists) must not run them twice."""
+    model = _model_with_grads(tiny_model_dir, sharded=False)
+    torch.optim.AdamW(model.parameters(), lr=1e-2)  # hooks torch's AdamW.step
+    opt = AdamW(model.parameters(), lr=1e-2)
+    calls = []
+    opt.register_step_pre_hook(lambda *a: calls.append("pre"))
+    opt.register_step_post_hook(lambda *a: calls.append("post"))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert calls == ["pre", "post"]
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))

@@ -22,7 +22,6 @@ moments stay DTensors in the optimizer's state, so checkpoints save and reshard 
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any
 
@@ -57,7 +56,12 @@ class AdamW(torch.optim.AdamW):
     def step(self, closure: Any = None) -> Any:
         groups = None if closure is not None else self.local_groups()
         if groups is None:
-            return inspect.unwrap(torch.optim.AdamW.step)(self, closure)
+            torch_step = torch.optim.AdamW.step
+            if getattr(
+                torch_step, "hooked", False
+            ):  # torch's hook wrapper: this class's step already ran hooks
+                torch_step = torch_step.__wrapped__
+            return torch_step(self, closure)
         from torch.optim.adam import adam
 
         for group, (params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps) in zip(self.param_groups, groups):

@@ -126,27 +126,38 @@ def _adamw_steps(model, cls, impl: str, amsgrad: bool, grads: list[torch.Tensor]
     return [_local(p).detach().clone() for p in params], state, local
 
 
+def _adamw_both_ways(model, impl: str, amsgrad: bool):
+    """torch's AdamW, then ours, each for ``_adamw_steps`` from the model's current weights and gradients: the
+    starting weights and the two runs."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    start = [_local(p).detach().clone() for p in params]
+    grads = [_local(p.grad).clone() for p in params]
+    runs = []
+    for cls in (torch.optim.AdamW, AdamW):
+        with torch.no_grad():
+            for p, s in zip(params, start):
+                _local(p).copy_(s)
+        runs.append(_adamw_steps(model, cls, impl, amsgrad, grads))
+    return start, runs
+
+
+def _assert_the_same_steps(runs) -> None:
+    (params_t, state_t, _), (params_o, state_o, local) = runs
+    assert local == [False, True, True]  # the first step creates the state through torch's step
+    for ref, got in zip(params_t + sum(state_t, []), params_o + sum(state_o, [])):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(("impl", "amsgrad"), [("fused", False), ("foreach", True)])
 def test_adamw_on_fsdp2_shards_is_torchs_adamw_bit_for_bit(tiny_model_dir, impl, amsgrad):
     try:
         model = _model_with_grads(tiny_model_dir, sharded=True)
-        params = [p for p in model.parameters() if p.requires_grad]
-        start = [_local(p).detach().clone() for p in params]
-        grads = [_local(p.grad).clone() for p in params]
-        runs = []
-        for cls in (torch.optim.AdamW, AdamW):
-            with torch.no_grad():
-                for p, s in zip(params, start):
-                    _local(p).copy_(s)
-            runs.append(_adamw_steps(model, cls, impl, amsgrad, grads))
-        assert type(model.state_dict()[next(iter(model.state_dict()))]).__name__ == "DTensor"
+        assert type(next(model.parameters())).__name__ == "DTensor"
+        start, runs = _adamw_both_ways(model, impl, amsgrad)
     finally:
         destroy_distributed()
-    (params_t, state_t, _), (params_o, state_o, local) = runs
-    assert local == [False, True, True]  # the first step creates the state through torch's step
-    assert any(not torch.equal(p, s) for p, s in zip(params_o, start))
-    for ref, got in zip(params_t + sum(state_t, []), params_o + sum(state_o, [])):
-        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    _assert_the_same_steps(runs)
+    assert any(not torch.equal(p, s) for p, s in zip(runs[1][0], start))
 
 
 def test_adamw_takes_torchs_step_where_it_cannot_unwrap(tiny_model_dir):

@@ -9,7 +9,7 @@ import torch
 
 from asyncgrpo_cli.train.distributed import DistInfo, destroy_distributed, shard_model
 from asyncgrpo_cli.train.optim import AdamW, _local_shards, clip_grad_norm
-from tests.test_local_shards import _adamw_steps, _both_ways, _local
+from tests.test_local_shards import _adamw_both_ways, _assert_the_same_steps, _both_ways
 
 pytestmark = pytest.mark.gpu
 
@@ -54,26 +54,16 @@ def test_the_clip_of_fsdp2_shards_on_cuda_is_torchs_clip_and_never_syncs():
 def test_fused_adamw_on_fsdp2_shards_on_cuda_is_torchs_and_never_syncs():
     try:
         model, params = _sharded_with_grads()
-        start = [_local(p).detach().clone() for p in params]
-        grads = [_local(p.grad).clone() for p in params]
-        runs = []
-        for cls in (torch.optim.AdamW, AdamW):
-            with torch.no_grad():
-                for p, s in zip(params, start):
-                    _local(p).copy_(s)
-            runs.append(_adamw_steps(model, cls, "fused", False, grads))
+        _, runs = _adamw_both_ways(model, "fused", False)
         opt = AdamW(params, lr=1e-3, fused=True)
         opt.step()
         assert opt.local_groups() is not None
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
+        torch.cuda.set_sync_debug_mode("error")  # any synchronizing CUDA call raises
         try:
             opt.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     finally:
         destroy_distributed()
-    (params_t, state_t, _), (params_o, state_o, local) = runs
-    assert local == [False, True, True]
-    for ref, got in zip(params_t + sum(state_t, []), params_o + sum(state_o, [])):
-        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    _assert_the_same_steps(runs)

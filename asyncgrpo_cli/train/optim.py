@@ -12,8 +12,9 @@ several meshes, CPU-offloaded shards of a GPU mesh) take ``clip_grad_norm_`` its
 
 :class:`AdamW` is torch's, with the same move for its step. torch's step hands the DTensor parameters,
 gradients and moments to its fused (or ``foreach``) kernel, and DTensor's dispatch then checks the shardings of
-each tensor in Python: 8 ms of host time on an H100 host for the ~310 parameters of a Qwen3 model (6 ms on a
-2-core VM, 3.5 ms there on local tensors), at the end of the step, where the GPU may wait for the update. Where each parameter, its gradient and its moments are DTensors of one
+each tensor in Python, at the end of the step, where the GPU may wait for the update. ``asyncgrpo bench
+optimizer`` measures both ways (clip + step of the 310 parameters of a Qwen3-0.6B shape on an H100: 20.3 ms of
+host time on the DTensors, 8.1 on the local shards; docs/benchmarks.md). Where each parameter, its gradient and its moments are DTensors of one
 placement without a pending reduction (FSDP2's shards), the step hands the kernel their local tensors instead:
 the same kernel on the same values, so the update is bit for bit torch's (tests/test_local_shards.py). The
 moments stay DTensors in the optimizer's state, so checkpoints save and reshard them as before. The first step

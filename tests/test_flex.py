@@ -389,6 +389,34 @@ def test_flash_first_use_check_tolerates_bf16_and_catches_a_wrong_mask_or_a_fail
         fb._checked.clear()
 
 
+def test_a_passed_first_use_check_is_remembered_and_a_failed_one_is_not(tmp_path, monkeypatch):
+    """A pass is recorded in the cache directory under its stamp (versions, GPU, heads) and a later process with
+    the same stamp skips the check; a failure is checked again; an unreadable record counts as none."""
+    from asyncgrpo_cli.model import flex_backend as fb
+
+    monkeypatch.setenv("ASYNCGRPO_CACHE", str(tmp_path))
+    assert fb.check_stamp(torch.device("cpu"), 4, 2, 32) is None  # off CUDA: never remembered
+    stamp = "torch 2.11.0, flash-attn-4 4.0.0b40, nvidia-cutlass-dsl 4.8.1, NVIDIA H100 sm90, heads 4/2/32"
+    stamps, verdicts, runs = [stamp], [None], []
+    monkeypatch.setattr(fb, "check_stamp", lambda *a: stamps[0])
+    monkeypatch.setattr(fb, "_check", lambda *a: runs.append(a) or verdicts[0])
+    fb._checked.clear()
+    try:
+        assert fb.flash_problem("cuda:0", 4, 2, 32) is None and len(runs) == 1
+        assert fb.passed_before() == {stamp}
+        fb._checked.clear()  # as a new process
+        assert fb.flash_problem("cuda:0", 4, 2, 32) is None and len(runs) == 1  # remembered: not run
+        stamps[0], verdicts[0] = stamp.replace("4.8.1", "4.9.0"), "CuteDSLError: no such kernel"
+        for _ in range(2):  # another DSL version: checked, failed, not remembered, checked again
+            fb._checked.clear()
+            assert fb.flash_problem("cuda:0", 4, 2, 32) == "CuteDSLError: no such kernel"
+        assert len(runs) == 3 and fb.passed_before() == {stamp}
+        (tmp_path / fb.PASSES_FILE).write_text("not json")
+        assert fb.passed_before() == set()
+    finally:
+        fb._checked.clear()
+
+
 def test_the_loader_falls_back_to_triton_when_flash_fails_its_check(tiny_model_dir, monkeypatch, caplog):
     """model.flex_backend=auto where flash would run but fails its first-use check: one warning, Triton kernels."""
     import logging

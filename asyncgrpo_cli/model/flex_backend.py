@@ -17,6 +17,10 @@ forward and backward on a small tree row's mask with the model's heads and compa
 computed by SDPA with a dense mask in fp32; a failure or a mismatch is logged once with its reason and the
 run goes on with the Triton kernels. ``flash`` skips the check and lets any error through. The check's row mask is
 built as a training row's on CUDA (``model/flex.py`` ``row_block_mask``: the same mask function and padding).
+Its first run took 32 s on an H100 (compiling FlashAttention-4's kernels for its row), so a pass is remembered in
+the cache directory (``flash_check.json`` under ``paths.cache_dir``) under the exact versions of torch,
+flash-attn-4 and the CuTe DSL, the GPU's name and capability and the head shape; a later run with all of them
+equal skips it. A failure is not remembered: the next run checks again.
 
 This module imports neither torch nor flash-attn-4 at import time.
 """
@@ -139,13 +143,78 @@ by far more: plain causal attention on that row, 0.48)."""
 _checked: dict[tuple, str | None] = {}
 
 
+PASSES_FILE = "flash_check.json"
+"""The cache directory's record of passed first-use checks (module docstring)."""
+
+
 def flash_problem(device: Any, heads: int, kv_heads: int, head_dim: int) -> str | None:
     """Why FlashAttention-4 must not run this process's flex attention (None: it passed its check), checked once
-    per device and head shape (module docstring)."""
+    per device and head shape, and not again where a run of the same versions, GPU and heads passed it (module
+    docstring)."""
     key = (str(device), heads, kv_heads, head_dim)
     if key not in _checked:
-        _checked[key] = _check(device, heads, kv_heads, head_dim)
+        stamp = check_stamp(device, heads, kv_heads, head_dim)
+        if stamp is not None and stamp in passed_before():
+            _checked[key] = None
+        else:
+            _checked[key] = _check(device, heads, kv_heads, head_dim)
+            if _checked[key] is None and stamp is not None:
+                remember_pass(stamp)
     return _checked[key]
+
+
+def check_stamp(device: Any, heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """What a remembered pass must match: torch, flash-attn-4 and CuTe DSL versions, the GPU and the heads (None
+    off CUDA, or where a version is unknown: such a check is never remembered)."""
+    import importlib.metadata
+
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return None
+    try:
+        versions = [importlib.metadata.version(d) for d in ("flash-attn-4", "nvidia-cutlass-dsl")]
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    major, minor = torch.cuda.get_device_capability(dev)
+    return (
+        f"torch {torch.__version__}, flash-attn-4 {versions[0]}, nvidia-cutlass-dsl {versions[1]}, "
+        f"{torch.cuda.get_device_name(dev)} sm{major}{minor}, heads {heads}/{kv_heads}/{head_dim}"
+    )
+
+
+def passed_before() -> set[str]:
+    """The stamps of the checks runs passed before (an unreadable record counts as none)."""
+    import json
+
+    from asyncgrpo_cli.paths import cache_dir
+
+    try:
+        passed = json.loads((cache_dir() / PASSES_FILE).read_text()).get("passed", [])
+    except (OSError, ValueError, AttributeError):
+        return set()
+    return {p for p in passed if isinstance(p, str)}
+
+
+def remember_pass(stamp: str) -> None:
+    """Add ``stamp`` to the record, replaced whole (ranks writing at once lose an entry, never the file); a cache
+    directory that cannot be written only costs the next run its check."""
+    import json
+    import os
+    import tempfile
+
+    from asyncgrpo_cli.paths import cache_dir
+
+    root = cache_dir()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{PASSES_FILE}.")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"passed": sorted(passed_before() | {stamp})}, f, indent=1)
+        os.replace(tmp, root / PASSES_FILE)
+    except OSError as exc:
+        logger.debug("could not record the FlashAttention-4 check in %s: %s", root, exc)
 
 
 def _check(device: Any, heads: int, kv_heads: int, head_dim: int) -> str | None:

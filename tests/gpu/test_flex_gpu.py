@@ -222,12 +222,17 @@ def test_flash_backend_matches_sdpa_in_bf16(kind):
 
 
 @pytest.mark.parametrize("heads", [(4, 2, 64), (16, 8, 128)])
-def test_flash_passes_its_first_use_check(heads):
+def test_flash_passes_its_first_use_check(heads, tmp_path, monkeypatch):
     """model.flex_backend=auto's check (model/flex_backend.py): FlashAttention-4 on its small tree row agrees with
-    SDPA in fp32, forward and backward, for the tiny test model's heads and the Qwen3 shapes'."""
+    SDPA in fp32, forward and backward, for the tiny test model's heads and the Qwen3 shapes'; the pass is
+    recorded under this GPU's and these versions' stamp."""
     flash_or_skip()
+    monkeypatch.setenv("ASYNCGRPO_CACHE", str(tmp_path))
     flex_backend._checked.clear()
     assert flex_backend.flash_problem(CUDA, *heads) is None
+    stamp = flex_backend.check_stamp(CUDA, *heads)
+    assert stamp is not None and torch.cuda.get_device_name(CUDA) in stamp
+    assert flex_backend.passed_before() == {stamp}
 
 
 @pytest.mark.parametrize("backend", ["triton", "flash"])

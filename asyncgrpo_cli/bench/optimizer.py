@@ -3,8 +3,8 @@ shards, torch's way on the DTensors against the project's on their local tensors
 
 The model is a bench shape as ``asyncgrpo bench trainer`` builds it (a weightless checkpoint through
 ``load_policy``, FSDP2 with bf16 mixed precision over fp32 master weights, on one rank), with random gradients.
-Both ways run fused AdamW (as the trainer does on CUDA) with the trainer's default hyper-parameters and clip at
-``max_grad_norm``. Per shape:
+Both ways run fused AdamW (as the trainer does on CUDA) with a run's param groups and default hyper-parameters,
+and clip at ``max_grad_norm``. Per shape:
 
   - exactness: from the same weights and gradients, two steps each way; ``exact`` says whether the weights and
     moments after them are equal bit for bit;
@@ -51,24 +51,20 @@ def _step(way: str, params: list, optimizer: Any, max_norm: float) -> None:
 
 
 def _locals(tensors: list) -> list:
-    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    """The local shards of DTensors (``shard_model`` shards every parameter here)."""
+    return [t.to_local() for t in tensors]
 
 
-def _optimizers(params: list, lr: float) -> dict[str, Any]:
-    """Per way: torch's AdamW or the project's, fused, both with the trainer's default hyper-parameters."""
+def _optimizers(model: Any) -> dict[str, Any]:
+    """Per way: torch's AdamW or the project's, on the param groups and hyper-parameters ``build_optimizer`` gives a
+    run, fused as on CUDA (also on CPU, so both ways take the fused kernel there too)."""
     import torch
 
     from asyncgrpo_cli.config.schema import TrainerConfig
-    from asyncgrpo_cli.train.optim import AdamW
+    from asyncgrpo_cli.train.optim import AdamW, build_optimizer
 
-    cfg = TrainerConfig()
-    kwargs = {"lr": lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_epsilon, "fused": True}
-    decay = {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay}
-    no_decay = {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}
-    return {
-        WAYS[0]: torch.optim.AdamW([decay, no_decay], **kwargs),
-        WAYS[1]: AdamW([dict(decay), dict(no_decay)], **kwargs),
-    }
+    groups = [{**g, "fused": True} for g in build_optimizer(model, TrainerConfig()).param_groups]
+    return {WAYS[0]: torch.optim.AdamW(groups), WAYS[1]: AdamW([dict(g) for g in groups])}
 
 
 def bench_shape(shape: str, cfg: OptimizerBenchConfig, device: Any, root: Path) -> dict[str, Any]:
@@ -92,7 +88,7 @@ def bench_shape(shape: str, cfg: OptimizerBenchConfig, device: Any, root: Path) 
         [t.clone() for t in _locals(params)],
         [t.clone() for t in _locals([p.grad for p in params])],
     )
-    optimizers = _optimizers(params, lr=1e-4)
+    optimizers = _optimizers(model)
     first: list | None = None  # the first way's weights and moments, in host memory (1.7B: 20 GB of them)
     exact = True
     for way, optimizer in optimizers.items():  # exactness: two steps each way from the same start

@@ -7,18 +7,18 @@ over every parameter, which kept the host busy for milliseconds at the end of ev
 (the idle report of ``trainer.profile``). The same arithmetic on the local tensors is the same kernels: each
 shard's norm, their 2-norm, then the reduction DTensor's partial norm does (square, all-reduce sum over the
 shard group, square root) and the same clamped coefficient, so the norm and the clipped gradients are bit for
-bit those of ``clip_grad_norm_`` (tests/test_local_shards.py). Gradients it cannot read that way (other placements,
-several meshes, CPU-offloaded shards of a GPU mesh) take ``clip_grad_norm_`` itself.
+bit those of ``clip_grad_norm_`` (tests/test_local_shards.py). Gradients it cannot read that way (other
+placements, several meshes, CPU-offloaded shards of a GPU mesh) take ``clip_grad_norm_`` itself.
 
 :class:`AdamW` is torch's, with the same move for its step. torch's step hands the DTensor parameters,
 gradients and moments to its fused (or ``foreach``) kernel, and DTensor's dispatch then checks the shardings of
-each tensor in Python, at the end of the step, where the GPU may wait for the update. ``asyncgrpo bench
-optimizer`` measures both ways (clip + step of the 310 parameters of a Qwen3-0.6B shape on an H100: 20.3 ms of
-host time on the DTensors, 8.1 on the local shards; docs/benchmarks.md). Where each parameter, its gradient and its moments are DTensors of one
-placement without a pending reduction (FSDP2's shards), the step hands the kernel their local tensors instead:
-the same kernel on the same values, so the update is bit for bit torch's (tests/test_local_shards.py). The
-moments stay DTensors in the optimizer's state, so checkpoints save and reshard them as before. The first step
-(which creates the state), a closure, and any other layout take torch's step itself.
+each tensor in Python, at the end of the step, where the GPU may wait for the update. Where each parameter, its
+gradient and its moments are DTensors of one placement without a pending reduction (FSDP2's shards), the step
+hands the kernel their local tensors instead: the same kernel on the same values, so the update is bit for bit
+torch's (tests/test_local_shards.py). The moments stay DTensors in the optimizer's state, so checkpoints save and
+reshard them as before. The first step (which creates the state), a closure, and any other layout take torch's
+step itself. ``asyncgrpo bench optimizer`` measures both ways (clip + step of the 310 parameters of a Qwen3-0.6B
+shape on an H100: 20.3 ms of host time on the DTensors, 8.1 on the local shards; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -58,9 +58,8 @@ class AdamW(torch.optim.AdamW):
         groups = None if closure is not None else self.local_groups()
         if groups is None:
             torch_step = torch.optim.AdamW.step
-            if getattr(
-                torch_step, "hooked", False
-            ):  # torch's hook wrapper: this class's step already ran hooks
+            # torch's hook wrapper (once any torch AdamW exists): this class's own wrapper already ran the hooks
+            if getattr(torch_step, "hooked", False):
                 torch_step = torch_step.__wrapped__
             return torch_step(self, closure)
         from torch.optim.adam import adam
@@ -119,9 +118,8 @@ class AdamW(torch.optim.AdamW):
                 state = self.state.get(p)
                 if not state or "step" not in state or any(k not in state for k in keys):
                     return None
-                if isinstance(
-                    state["step"], DTensor
-                ):  # torch keeps it a plain tensor, also when loading state
+                # torch keeps the step count a plain tensor, also when it loads a state dict
+                if isinstance(state["step"], DTensor):
                     return None
                 if p.is_complex() or grad.is_sparse:
                     return None

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from asyncgrpo_cli import __version__
 from asyncgrpo_cli.errors import RunFailure, UserError
+from asyncgrpo_cli.interrupts import Terminated, interruptible
 
 USAGE = f"""asyncgrpo {__version__}: asynchronous RL post-training of LLMs (async GRPO, async on-policy distillation),
 configured with Hydra.
@@ -140,16 +141,15 @@ def _run_jobs(args: list[str], algorithm: str) -> None:
 
     saved = sys.argv
     sys.argv = [f"asyncgrpo {verb}", *args]
-    previous = signal.signal(signal.SIGTERM, _terminate)
     _stacks_on_sigusr1()
     try:
         main_fn = hydra.main(
             config_path=str(conf_dir()), config_name=PRIMARY_CONFIGS[algorithm], version_base=None
         )
-        main_fn(_train_job)()
+        with interruptible():
+            main_fn(_train_job)()
     finally:
         sys.argv = saved
-        signal.signal(signal.SIGTERM, previous)
     if _failures:
         codes = {code for _, code in _failures}
         code = EXIT_USER_ERROR if codes == {EXIT_USER_ERROR} else EXIT_FAILED
@@ -170,14 +170,6 @@ def _stacks_on_sigusr1() -> None:
 
 def _multirun(args: list[str]) -> bool:
     return "-m" in args or "--multirun" in args
-
-
-class Terminated(BaseException):
-    """SIGTERM (a scheduler's timeout or preemption): unwind so everything the run started is stopped."""
-
-
-def _terminate(signum, frame) -> None:
-    raise Terminated()
 
 
 def _torchrun_run_dir(args: list[str]) -> list[str]:

@@ -1,0 +1,75 @@
+"""A SIGTERM or Ctrl-C whose exception CPython drops inside a C callback (numba's LLVM compile calling back through
+ctypes, where a CI run's SIGTERM once landed and the run trained on) is delivered again and unwinds the run."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import signal
+import sys
+import time
+
+import pytest
+
+from asyncgrpo_cli.interrupts import Terminated, interruptible
+
+_COMPARE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+
+
+def _signal_inside_a_c_callback(signum: int) -> list[str]:
+    """libc's qsort calls a Python comparator; the first call raises ``signum``, so the handler runs (and its
+    exception is dropped) inside the callback. Returns what happened, in order."""
+    events: list[str] = []
+
+    def compare(a, b) -> int:
+        if not events:
+            events.append("signalled")
+            signal.raise_signal(signum)
+        return 0
+
+    values = (ctypes.c_int * 8)(*range(8))
+    ctypes.CDLL(None).qsort(values, len(values), ctypes.sizeof(ctypes.c_int), _COMPARE(compare))
+    events.append("qsort returned")
+    return events
+
+
+def _wait_for(kind: type[BaseException], events: list[str]) -> None:
+    with pytest.raises(kind):
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        events.append("never raised")
+
+
+@pytest.mark.parametrize("signum, kind", [(signal.SIGTERM, Terminated), (signal.SIGINT, KeyboardInterrupt)])
+def test_an_interrupt_dropped_in_a_c_callback_is_delivered_again(signum, kind):
+    with interruptible():
+        events = _signal_inside_a_c_callback(signum)
+        assert events == ["signalled", "qsort returned"]  # the first delivery was dropped, as CPython does
+        _wait_for(kind, events)
+    assert events == ["signalled", "qsort returned"]
+
+
+def test_other_dropped_exceptions_reach_the_previous_hook(monkeypatch):
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: seen.append(unraisable.exc_type))
+
+    class Noisy:
+        def __del__(self):
+            raise ValueError("in __del__")
+
+    with interruptible():
+        Noisy()
+        gc.collect()
+    assert seen == [ValueError]
+
+
+def test_the_handler_and_hook_are_restored():
+    hook, handler = sys.unraisablehook, signal.getsignal(signal.SIGTERM)
+    with interruptible():
+        assert sys.unraisablehook is not hook
+        assert signal.getsignal(signal.SIGTERM) is not handler
+        with pytest.raises(Terminated):
+            signal.raise_signal(signal.SIGTERM)
+    assert sys.unraisablehook is hook
+    assert signal.getsignal(signal.SIGTERM) is handler

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -266,7 +267,14 @@ def test_sigterm_stops_every_process_the_run_started(tmp_path):
         children = _children(proc.pid)
         assert len(children) >= 2  # embedded server, rollout process (and the resource tracker)
         proc.terminate()
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # the run prints every thread's stack (cli._stacks_on_sigusr1)
+            time.sleep(2)
+            proc.kill()
+            _, err = proc.communicate(timeout=30)
+            pytest.fail(f"the run did not stop within 60 s of SIGTERM; its stderr, stacks last:\n{err[-8000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -27,7 +27,8 @@ goes back to the kernel and each row faults fresh pages in; ``both`` alternates 
 Usage: asyncgrpo bench planning [samples=2000] [group_size=16] [prompt_len=16] [completion_len=16] [topk=8]
        [token_budget=16384] [ranks=1] [rows=4] [repeats=5] [seed=0] [profile=0] [system_len=0] [share=1]
        [host_memory=keep|return|both] [transport=batch|plain]
-``profile=N`` prints the N most expensive functions (cProfile, cumulative) of one repeat of each case instead.
+``profile=N`` prints the N most expensive functions (cProfile, cumulative) of one repeat of each case, after a warm-up,
+instead.
 """
 
 from __future__ import annotations
@@ -215,8 +216,10 @@ def main(argv: list[str]) -> None:
 
         for name, (packer, make_planner) in cases(opts).items():
             print(f"\n## {name}")
+            planner = make_planner()
+            run_case(packer, planner, samples)  # warm-up: numba's compiled kernels load on first use
             prof = cProfile.Profile()
-            prof.runcall(run_case, packer, make_planner(), samples)
+            prof.runcall(run_case, packer, planner, samples)
             pstats.Stats(prof).sort_stats("cumulative").print_stats(opts.profile)
         return
     modes = {"keep": ("kept",), "return": ("returned",), "both": ("kept", "returned")}[opts.host_memory]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from asyncgrpo_cli.config.schema import PackingConfig
-from asyncgrpo_cli.packing.planner import MicroBatch
+from asyncgrpo_cli.packing.planner import GroupAdded, MicroBatch, add_each, add_group
 from asyncgrpo_cli.packing.tree import TreePacker
 from asyncgrpo_cli.packing.tree_planner import GroupTreeBudgetPlanner, TreeBudgetPlanner
 from asyncgrpo_cli.samples import TrainingSequence
@@ -293,18 +293,92 @@ def test_deferred_samples_give_the_micro_batches_of_deciding_each_on_arrival(sha
                 got.append((i, mb))
         got_last = lazy.flush()
         assert [i for i, _ in got] == [i for i, _ in want]
-        for (_, a), (_, b) in zip(got + [(-1, got_last)], want + [(-1, want_last)], strict=True):
-            if a is None or b is None:
-                assert a is b
-                continue
-            assert a.filler_ranks == b.filler_ranks
-            for name in ("samples_per_row", "tokens_per_row", "trained_per_row", "attn_cost_per_row"):
-                assert np.array_equal(getattr(a, name), getattr(b, name)), name
-            for r, (ra, rb) in enumerate(zip(a.rows, b.rows, strict=True)):
-                if r in a.filler_ranks:  # a context-only copy, made anew by each planner
-                    assert [s.input_ids.tolist() for s in ra] == [s.input_ids.tolist() for s in rb]
-                    continue
-                assert [id(s) for s in ra] == [id(s) for s in rb]
-                if hasattr(rb, "own_from"):
-                    assert np.array_equal(ra.parents, rb.parents) and np.array_equal(ra.own_from, rb.own_from)
+        assert_same_batches([mb for _, mb in got] + [got_last], [mb for _, mb in want] + [want_last])
     assert deferred > 500  # the deferral was exercised, not skipped
+
+
+def assert_same_batches(got: list[MicroBatch | None], want: list[MicroBatch | None]) -> None:
+    """The same micro-batches: rows of the same samples, per-row stats and placements alike."""
+    for a, b in zip(got, want, strict=True):
+        if a is None or b is None:
+            assert a is b
+            continue
+        assert a.filler_ranks == b.filler_ranks
+        for name in ("samples_per_row", "tokens_per_row", "trained_per_row", "attn_cost_per_row"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), name
+        for r, (ra, rb) in enumerate(zip(a.rows, b.rows, strict=True)):
+            if r in a.filler_ranks:  # a context-only copy, made anew by each planner
+                assert [s.input_ids.tolist() for s in ra] == [s.input_ids.tolist() for s in rb]
+                continue
+            assert [id(s) for s in ra] == [id(s) for s in rb]
+            if hasattr(rb, "own_from"):
+                assert np.array_equal(ra.parents, rb.parents) and np.array_equal(ra.own_from, rb.own_from)
+
+
+def feed_runs(planner, samples, runs: list[int], single: set[int], group=add_group) -> tuple[list, list]:
+    """Feed ``samples`` in runs of the given lengths as the trainer does (``group``, the rest of a run fed again
+    after a closing sample); runs whose index is in ``single`` go through ``add``. Returns the micro-batches (the
+    final flush last) and, per call, (taken, dropped)."""
+    out, calls, at = [], [], 0
+    for k, size in enumerate(runs):
+        run_ = samples[at : at + size]
+        at += size
+        while run_:
+            if k in single:
+                before = planner.dropped_oversize_count
+                mb = planner.add(run_[0])
+                added = GroupAdded(mb, 1, [0] if planner.dropped_oversize_count > before else [])
+            else:
+                added = group(planner, run_)
+            calls.append((added.taken, added.dropped))
+            if added.batch is not None:
+                out.append(added.batch)
+            run_ = run_[added.taken :]
+    return out + [planner.flush()], calls
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["row_trie", "group_tries"])
+def test_a_run_of_samples_at_once_gives_the_micro_batches_of_adding_each(share):
+    """``add_group`` (one compiled placement of a run, what the trainer calls with a group off the queue) against
+    ``add`` a sample: the same micro-batches, closed by the same sample, the same samples taken and dropped; runs
+    mixed with single ``add`` calls (deferred samples waiting when a run comes), runs of several groups, oversize
+    samples and ids of another dtype (``add`` a sample then), over 1-8 ranks and tight to roomy budgets."""
+    cls = TreeBudgetPlanner if share else GroupTreeBudgetPlanner
+    rng = np.random.default_rng(11 + share)
+    closed_inside = 0
+    for trial in range(40):
+        ranks = int(rng.choice([1, 2, 3, 8]))
+        budget = int(rng.choice([60, 150, 400, 2000]))
+        samples = grpo_stream(rng, int(rng.integers(2, 30)))
+        for i in rng.integers(0, len(samples), size=int(rng.integers(0, 3))):  # oversize, or int32 ids
+            s = samples[i]
+            ids = np.arange(budget + 5) if rng.random() < 0.5 else s.input_ids.astype(np.int32)
+            samples[i] = seq(ids, s.group_id, trained=min(len(ids) - 1, 3))
+        runs, left = [], len(samples)
+        while left:
+            runs.append(min(left, int(rng.integers(1, 20))))
+            left -= runs[-1]
+        single = {k for k in range(len(runs)) if rng.random() < 0.2}
+        got, got_calls = feed_runs(cls(budget, ranks), samples, runs, single)
+        want, want_calls = feed_runs(cls(budget, ranks), samples, runs, single, group=add_each)
+        assert got_calls == want_calls, trial
+        assert_same_batches(got, want)
+        closed_inside += sum(1 for taken, _ in got_calls if taken > 1)
+    assert closed_inside > 50  # runs closed micro-batches after their first sample, and went on
+
+
+def test_planners_without_their_own_add_group_add_a_sample_at_a_time():
+    from asyncgrpo_cli.packing.planner import FixedCountPlanner, GroupPlanner, TokenBudgetPlanner
+
+    assert isinstance(TreeBudgetPlanner(10, 1), GroupPlanner)
+    for planner in (TokenBudgetPlanner(10, 2), FixedCountPlanner(2, 1, 10)):
+        assert not isinstance(planner, GroupPlanner)
+        samples = [seq(np.arange(n), 0) for n in (4, 30, 5, 6, 7, 3)]  # 30: oversize for the token budget
+        added = add_group(planner, samples)
+        if isinstance(planner, TokenBudgetPlanner):
+            # rows of 4 + 6 and 5 tokens: the 7 closes them, the 3 is not taken
+            assert (added.taken, added.dropped) == (5, [1])
+            assert [[len(s) for s in row] for row in added.batch.rows] == [[4, 6], [5]]
+        else:
+            assert (added.taken, added.dropped) == (2, [])  # two samples a micro-batch of one row
+            assert [len(s) for s in added.batch.rows[0]] == [30, 4]

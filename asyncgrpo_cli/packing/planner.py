@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import heapq
 import logging
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
 from asyncgrpo_cli.samples import TrainingSequence
+
+if TYPE_CHECKING:
+    from asyncgrpo_cli.protocols import Planner
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +100,48 @@ def refuse(planner: Budgeted, length: int) -> None:
         length,
         planner.token_budget,
     )
+
+
+@dataclass
+class GroupAdded:
+    """What :func:`add_group` did with a run of samples."""
+
+    batch: MicroBatch | None
+    """The micro-batch the last sample taken closed (that sample opens the next one), or None."""
+    taken: int
+    """Samples taken from the front of the run: all of them, unless one closed a micro-batch (then up to and
+    including it; the rest were not looked at, as if they had not arrived yet)."""
+    dropped: list[int] = field(default_factory=list)
+    """Positions in the run of the samples taken that were dropped as oversize (:func:`refuse`)."""
+
+
+@runtime_checkable
+class GroupPlanner(Protocol):
+    """A planner that takes a run of samples at once (``add_group``: the same micro-batches as :func:`add_each`)."""
+
+    def add_group(self, samples: Sequence[TrainingSequence]) -> GroupAdded: ...
+
+
+def add_group(planner: Planner, samples: Sequence[TrainingSequence]) -> GroupAdded:
+    """``planner.add`` on each of ``samples`` in order until one closes a micro-batch (:class:`GroupAdded`), through
+    the planner's own ``add_group`` when it has one (:class:`GroupPlanner`): the trainer hands the planner a
+    group's samples as the rollout queue delivers them, one call instead of one a sample."""
+    if isinstance(planner, GroupPlanner):
+        return planner.add_group(samples)
+    return add_each(planner, samples)
+
+
+def add_each(planner: Planner, samples: Sequence[TrainingSequence]) -> GroupAdded:
+    """:func:`add_group` by one ``add`` call a sample: what every ``add_group`` must equal."""
+    dropped = []
+    for i, sample in enumerate(samples):
+        before = planner.dropped_oversize_count
+        batch = planner.add(sample)
+        if planner.dropped_oversize_count > before:
+            dropped.append(i)
+        if batch is not None:
+            return GroupAdded(batch, i + 1, dropped)
+    return GroupAdded(None, len(samples), dropped)
 
 
 class TokenBudgetPlanner:

@@ -63,12 +63,12 @@ calls (``tests/test_tree_planner.py``), at ~3 us a sample instead of ~6-11 (``as
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 from numba import njit
 
-from asyncgrpo_cli.packing.planner import MicroBatch, context_only, refuse
+from asyncgrpo_cli.packing.planner import GroupAdded, MicroBatch, add_each, context_only, refuse
 from asyncgrpo_cli.packing.trie import NODES, SAMPLES, Forest, PlannedRow, commit, group_key, new_root, probe
 from asyncgrpo_cli.samples import TrainingSequence
 
@@ -263,7 +263,45 @@ class TreeBudgetPlanner:
             self._uneven = True
         if self._may_wait(sample, ids, length, length if length >= mask_len else mask_len, g):
             return None
-        return self._place_waiting()
+        return self._place_waiting(len(self._waiting) - 1)[0]
+
+    def add_group(self, samples: Sequence[TrainingSequence]) -> GroupAdded:
+        """``add`` on each of ``samples`` until one closes a micro-batch (:func:`~asyncgrpo_cli.packing.planner.
+        add_group`), in one compiled placement: the samples join the waiting ones and all are placed in arrival
+        order, which decides each as on arrival, so the micro-batches are those of the ``add`` calls. The first
+        sample no row takes closes the micro-batch and opens the next; those after it are not taken. A run with a
+        sample that is empty, longer than the budget or not of int64 ids goes through ``add`` a sample."""
+        ids = [s.input_ids for s in samples]
+        lengths = [a.shape[0] for a in ids]
+        if (
+            not ids
+            or min(lengths) <= 0
+            or max(lengths) > self.token_budget
+            or any(a.dtype != _INT64 for a in ids)
+        ):
+            return add_each(self, samples)
+        first = len(self._waiting)
+        masks = [s.train_mask for s in samples]
+        if not self._uneven and [m.shape[0] for m in masks] != lengths:
+            self._uneven = True
+        keys = [(s.group_id, s.prompt_seq) for s in samples]  # group_key, inline
+        if keys.count(keys[0]) == len(keys):  # one group, as the rollout queue delivers them
+            self._waiting_group.extend([self._group_number(keys[0], samples[0])] * len(keys))
+        else:
+            self._waiting_group.extend([self._group_number(k, s) for k, s in zip(keys, samples)])
+        self._waiting.extend(samples)
+        self._waiting_ids.extend(ids)
+        self._waiting_len.extend(lengths)
+        batch, closed = self._place_waiting(first)
+        return GroupAdded(batch, closed - first + 1 if batch is not None else len(samples))
+
+    def _group_number(self, key: Hashable, sample: TrainingSequence) -> int:
+        """The open micro-batch's number for group ``key``, numbering it (``sample``: its first) when new."""
+        g = self._groups.get(key)
+        if g is None:
+            g = self._groups[key] = len(self._groups)
+            self._first.append(sample)
+        return g
 
     def _may_wait(self, sample: TrainingSequence, ids: np.ndarray, length: int, bound: int, g: int) -> bool:
         """Whether ``sample`` (just queued, of group number ``g``, adding at most ``bound`` tokens or trained tokens
@@ -317,27 +355,32 @@ class TreeBudgetPlanner:
         trained = int(np.count_nonzero(mask)) if mask.dtype == _BOOL else sample.num_trained
         return min(bound, max(length - p + 1, trained))
 
-    def _place_waiting(self) -> MicroBatch | None:
-        """Place the waiting samples (module docstring); the micro-batch the last one closed, if it did."""
+    def _place_waiting(self, may_close: int) -> tuple[MicroBatch | None, int]:
+        """Place the waiting samples (module docstring), of which those from ``may_close`` on may close the
+        micro-batch (the ones before were deferred because they cannot). Returns the micro-batch the first that no
+        row takes closed and that sample's index (it opens the next micro-batch; the samples after it are not
+        taken), or (None, the number waiting)."""
         n = len(self._waiting)
         closed = self._place(0)
         emitted = None
         if closed < n:
-            if closed != n - 1:
+            if closed < may_close:
                 raise RuntimeError(
-                    f"tree planner: sample {closed} of {n} waiting closed the micro-batch; only the last can "
-                    "(each waiting sample fit a row it may go to)"
+                    f"tree planner: sample {closed} of {n} waiting closed the micro-batch; only those from "
+                    f"{may_close} on can (each sample deferred fit a row it may go to)"
                 )
+            for waiting in (self._waiting, self._waiting_ids, self._waiting_group, self._waiting_len):
+                del waiting[closed + 1 :]
             key = group_key(self._waiting[closed])
             emitted = self._emit()
             self._groups[key] = self._waiting_group[closed] = 0  # the first group of the next micro-batch
             self._first.append(self._waiting[closed])
-            if self._place(closed) != n:
+            if self._place(closed) != closed + 1:
                 raise RuntimeError("tree planner: a sample did not fit an empty micro-batch")
         self._waiting, self._waiting_ids, self._waiting_group, self._waiting_len = [], [], [], []
         self._uneven = False
         self._waiting_new.clear()
-        return emitted
+        return emitted, closed
 
     def _place(self, start: int) -> int:
         """Run :func:`_place` over the waiting samples from ``start``; add the placed ones to their rows; returns
@@ -393,7 +436,7 @@ class TreeBudgetPlanner:
         ``allow_filler=False`` return None and keep the samples open; otherwise each empty rank gets a
         context-only copy of the shortest open sample, listed in ``MicroBatch.filler_ranks``.
         """
-        if self._waiting and self._place_waiting() is not None:
+        if self._waiting and self._place_waiting(len(self._waiting))[0] is not None:
             raise RuntimeError("tree planner: a waiting sample closed the micro-batch at flush")
         if self.num_open_samples == 0:
             return None

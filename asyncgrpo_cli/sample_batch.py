@@ -164,30 +164,43 @@ def _canonical(column: np.ndarray) -> np.ndarray:
 
 class QueueReader:
     """The trainer's end of the rollout queue: items one at a time, a :class:`SampleBatch` sample by sample in
-    order, so a consumer sees the stream it saw when every sample was its own message. ``get`` / ``get_nowait``
-    raise ``queue.Empty`` like the queue's; ``taken``: samples handed out so far."""
+    order, so a consumer sees the stream it saw when every sample was its own message; with ``group=True`` the
+    samples come as a list: what is left of their batch (a lone sample: a list of one). ``put_back`` returns samples
+    not used to the front, in order. ``get`` / ``get_nowait`` raise ``queue.Empty`` like the queue's; ``taken``:
+    samples handed out and not put back."""
 
     def __init__(self, source: Any) -> None:
         self._queue = source
         self._pending: deque[TrainingSequence] = deque()
         self.taken = 0
 
-    def get(self, timeout: float) -> Any:
-        return self._next() if self._pending else self._unpack(self._queue.get(timeout=timeout))
+    def get(self, timeout: float, group: bool = False) -> Any:
+        return self._next(group) if self._pending else self._unpack(self._queue.get(timeout=timeout), group)
 
-    def get_nowait(self) -> Any:
-        return self._next() if self._pending else self._unpack(self._queue.get_nowait())
+    def get_nowait(self, group: bool = False) -> Any:
+        return self._next(group) if self._pending else self._unpack(self._queue.get_nowait(), group)
 
-    def _unpack(self, item: Any) -> Any:
+    def put_back(self, samples: list[TrainingSequence]) -> None:
+        """``samples`` (the last ones handed out, in order) are handed out again next, before anything else."""
+        self._pending.extendleft(reversed(samples))
+        self.taken -= len(samples)
+
+    def _unpack(self, item: Any, group: bool) -> Any:
         if type(item) is not SampleBatch:
             if isinstance(item, TrainingSequence):
                 self.taken += 1
+                return [item] if group else item
             return item
         self._pending.extend(item.samples)
         if not self._pending:  # an empty batch carries nothing: read on
             raise queue.Empty
-        return self._next()
+        return self._next(group)
 
-    def _next(self) -> TrainingSequence:
-        self.taken += 1
-        return self._pending.popleft()
+    def _next(self, group: bool) -> TrainingSequence | list[TrainingSequence]:
+        if not group:
+            self.taken += 1
+            return self._pending.popleft()
+        samples = list(self._pending)
+        self._pending.clear()
+        self.taken += len(samples)
+        return samples

@@ -498,6 +498,13 @@ def test_bench_planning_prints_every_case(capsys):
     out = capsys.readouterr().out
     for case in ("tree / token budget (kept memory)", "tree / token budget (returned memory)"):
         assert f"| {case} |" in out
+    # one add a sample against one add_group a group, alternating: the same plans (the bench checks it too)
+    main(["samples=64", "repeats=2", "token_budget=512", "ranks=2", "feed=both"])
+    both = capsys.readouterr().out
+    fed = {
+        feed: [row[1:] for row in plans(both) if f"fed by {feed}" in row[0]] for feed in ("sample", "group")
+    }
+    assert len(fed["group"]) == 4 and fed["group"] == fed["sample"]
     with pytest.raises(UserError, match="host_memory='x': one of keep, return, both"):
         parse_options(["host_memory=x"])
     with pytest.raises(UserError, match="transport='queue': one of batch, plain"):

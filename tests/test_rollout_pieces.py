@@ -121,6 +121,7 @@ class _FakeRolloutQueue:
         self.items = list(items)
         self.allowances: list[int] = []
         self.consumed = 0
+        self.put_backs = 0
         self.waits = 0  # calls of the waiting ``get``
 
     def set_allowance(self, tokens: int) -> None:
@@ -129,12 +130,27 @@ class _FakeRolloutQueue:
     def add_consumed(self, tokens: int) -> None:
         self.consumed += tokens
 
-    def get(self, timeout: float):
+    def get(self, timeout: float, group: bool = False):
         self.waits += 1
-        return self.items.pop(0) if self.items else None
+        return self.poll(group)
 
-    def poll(self):
-        return self.items.pop(0) if self.items else None
+    def poll(self, group: bool = False):
+        """The next item; a list item is a group's samples (``group=True``: the list, else one at a time)."""
+        if not self.items:
+            return None
+        item = self.items.pop(0)
+        if isinstance(item, list):
+            if group:
+                return item
+            if item[1:]:
+                self.items.insert(0, item[1:])
+            return item[0]
+        return [item] if group and isinstance(item, TrainingSequence) else item
+
+    def put_back(self, samples: list) -> None:
+        if samples:
+            self.items.insert(0, list(samples))
+            self.put_backs += 1
 
 
 def _sample(n: int, prompt_seq: int, version: int, group_num_samples: int = 1) -> TrainingSequence:
@@ -232,3 +248,74 @@ def test_prefetch_on_an_empty_queue_returns_at_once_and_a_version_mismatch_is_re
     assert rollout.waits == 0
     with pytest.raises(RuntimeError, match="planned for policy version 5 but the step trains at 4"):
         collector.collect(model_version=4)
+
+
+def _group_stream(rng, groups: int) -> list:
+    """Groups of GRPO-like samples (a shared prompt, then a completion), some stale, some longer than the budget,
+    now and then a resolved prompt between them."""
+    out = []
+    for g in range(groups):
+        prompt = rng.integers(0, 50, size=int(rng.integers(4, 30)))
+        samples = []
+        for _ in range(int(rng.integers(1, 9))):
+            n = int(rng.integers(1, 25)) if rng.random() > 0.05 else 200
+            ids = np.concatenate([prompt, rng.integers(0, 50, size=n)]).astype(np.int64)
+            s = TrainingSequence(ids, np.arange(len(ids)) >= len(prompt), np.zeros(len(ids), np.float32))
+            s.prompt_seq, s.group_id = g, g
+            s.model_version = int(rng.integers(6, 11))  # the trainer stays at 10: two in five are stale
+            s.enqueued_at = float("inf")  # queue time: 0
+            samples.append(s)
+        for s in samples:
+            s.group_num_samples = len(samples)
+        out.append(samples)
+        if rng.random() < 0.1:
+            out.append(PromptResolved(1000 + g, "zero_std"))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_group_planned_at_once_makes_the_steps_of_its_samples_one_by_one(seed):
+    """The collector hands the planner a group's samples in one call (``add_group``), putting those after a
+    closing sample back. Against the same stream with every sample its own item: the same steps (rows of the
+    same samples), metrics, prompt tracking and consumed tokens, over collects and prefetches of tight rows."""
+    from asyncgrpo_cli.packing.tree_planner import TreeBudgetPlanner
+
+    rng = np.random.default_rng(seed)
+    stream = _group_stream(rng, 40) + [RolloutDone(num_prompts=40)]
+    flat = [s for item in stream for s in (item if isinstance(item, list) else [item])]
+    budget, ranks, accum = int(rng.choice([80, 150])), int(rng.integers(1, 4)), int(rng.integers(1, 3))
+    runs, put_backs = [], 0
+    for items in (stream, flat):
+        rollout, tracker, window = _FakeRolloutQueue(items), PromptTracker(), MetricWindow()
+        collector = StepCollector(
+            rollout,
+            TreeBudgetPlanner(budget, ranks),
+            tracker,
+            max_staleness=2,
+            grad_accum=accum,
+            metrics=window,
+        )
+        steps, order = [], np.random.default_rng(seed)  # the same prefetches for both
+        while not collector.exhausted:
+            if order.random() < 0.5:
+                collector.prefetch(model_version=10)
+            step = collector.collect(model_version=10)
+            if step is None:
+                break
+            rows = [  # a filler row (end of data) holds a context-only copy, made anew by each planner
+                [[len(s) if r in mb.filler_ranks else id(s) for s in row] for r, row in enumerate(mb.rows)]
+                for mb in step.microbatches
+            ]
+            steps.append((rows, sorted(window.reduce().items())))
+            collector.step_trained(step)
+        runs.append((steps, tracker.state(), rollout.consumed, collector.planner.dropped_oversize_count))
+        put_backs = put_backs if items is flat else rollout.put_backs
+    (got, got_state, got_consumed, got_oversize), want = runs[0], runs[1]
+    assert (got_state, got_consumed, got_oversize) == want[1:]
+    assert got_oversize > 0 and got_state["prompt_index"] > 20  # prompts resolve as their samples are done
+    assert len(got) == len(want[0]) > 2
+    assert put_backs > 0  # groups closed micro-batches and went on later
+    assert any(dict(metrics).get("sample/dropped_stale_count") for _, metrics in got)
+    for (rows, metrics), (want_rows, want_metrics) in zip(got, want[0], strict=True):
+        assert rows == want_rows
+        assert metrics == want_metrics

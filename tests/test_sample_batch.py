@@ -193,6 +193,32 @@ def test_the_reader_hands_out_samples_in_order_between_markers():
         reader.get_nowait()
 
 
+def test_the_reader_hands_out_groups_and_takes_back_what_was_not_used():
+    """``group=True``: what is left of a batch as one list (a lone sample: a list of one); ``put_back`` returns
+    samples to the front, for either way of reading next, and they count as not taken."""
+    rng = np.random.default_rng(4)
+    q: queue.Queue = queue.Queue()
+    group, loose = [sample(rng, i) for i in range(4)], sample(rng, 9)
+    for item in (SampleBatch(group), PromptResolved(5, "filtered"), loose):
+        q.put(pickle.loads(pickle.dumps(item)))
+    reader = QueueReader(q)
+    got = reader.get(timeout=0.01, group=True)
+    assert isinstance(got, list) and len(got) == 4 and reader.taken == 4
+    for a, b in zip(group, got, strict=True):
+        assert_same(a, b)
+    reader.put_back(got[1:])  # the first closed a micro-batch: the rest come back
+    assert reader.taken == 1
+    assert reader.get_nowait() is got[1]  # one at a time from the front
+    assert reader.get_nowait(group=True) == got[2:]  # the rest of the group
+    assert reader.taken == 4
+    assert isinstance(reader.get_nowait(group=True), PromptResolved)
+    last = reader.get_nowait(group=True)
+    assert len(last) == 1 and reader.taken == 5
+    assert_same(loose, last[0])
+    with pytest.raises(queue.Empty):
+        reader.get_nowait(group=True)
+
+
 @pytest.mark.slow
 def test_bench_transport_takes_every_sample_both_ways(capsys):
     """The benchmark's spawned producer sends a small step per sample and per group; every round delivers it."""

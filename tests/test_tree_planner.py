@@ -3,13 +3,14 @@ oversize drops, flush, and row costs equal to what the TreePacker forwards."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
 import pytest
 
 from asyncgrpo_cli.config.schema import PackingConfig
-from asyncgrpo_cli.packing.planner import GroupAdded, MicroBatch, add_each, add_group
+from asyncgrpo_cli.packing.planner import GroupAdded, MicroBatch, add_each, group_adder
 from asyncgrpo_cli.packing.tree import TreePacker
 from asyncgrpo_cli.packing.tree_planner import GroupTreeBudgetPlanner, TreeBudgetPlanner
 from asyncgrpo_cli.samples import TrainingSequence
@@ -315,11 +316,12 @@ def assert_same_batches(got: list[MicroBatch | None], want: list[MicroBatch | No
                 assert np.array_equal(ra.parents, rb.parents) and np.array_equal(ra.own_from, rb.own_from)
 
 
-def feed_runs(planner, samples, runs: list[int], single: set[int], group=add_group) -> tuple[list, list]:
+def feed_runs(planner, samples, runs: list[int], single: set[int], group=None) -> tuple[list, list]:
     """Feed ``samples`` in runs of the given lengths as the trainer does (``group``, the rest of a run fed again
     after a closing sample); runs whose index is in ``single`` go through ``add``. Returns the micro-batches (the
     final flush last) and, per call, (taken, dropped)."""
     out, calls, at = [], [], 0
+    add_group = group_adder(planner) if group is None else functools.partial(group, planner)
     for k, size in enumerate(runs):
         run_ = samples[at : at + size]
         at += size
@@ -329,7 +331,7 @@ def feed_runs(planner, samples, runs: list[int], single: set[int], group=add_gro
                 mb = planner.add(run_[0])
                 added = GroupAdded(mb, 1, [0] if planner.dropped_oversize_count > before else [])
             else:
-                added = group(planner, run_)
+                added = add_group(run_)
             calls.append((added.taken, added.dropped))
             if added.batch is not None:
                 out.append(added.batch)
@@ -374,7 +376,7 @@ def test_planners_without_their_own_add_group_add_a_sample_at_a_time():
     for planner in (TokenBudgetPlanner(10, 2), FixedCountPlanner(2, 1, 10)):
         assert not isinstance(planner, GroupPlanner)
         samples = [seq(np.arange(n), 0) for n in (4, 30, 5, 6, 7, 3)]  # 30: oversize for the token budget
-        added = add_group(planner, samples)
+        added = group_adder(planner)(samples)
         if isinstance(planner, TokenBudgetPlanner):
             # rows of 4 + 6 and 5 tokens: the 7 closes them, the 3 is not taken
             assert (added.taken, added.dropped) == (5, [1])

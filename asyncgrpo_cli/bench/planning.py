@@ -10,11 +10,14 @@ trained, with sampler log-probs and a ``sampler_topk`` extra of width ``topk`` (
 row shares it, ``share=0`` runs the tree cases with one trie per group, ``packing.share_across_groups=false``).
 ``transport=batch`` (default) hands the planner the samples as the trainer's rollout reader does: each group
 pickled as one ``SampleBatch`` and read back, so every sample's arrays are views of its group's columns, with
-unpickled dtypes; ``transport=plain`` hands it the arrays as built.
+unpickled dtypes; ``transport=plain`` hands it the arrays as built. ``feed=group`` (default) hands the planner each
+group's samples in one call, as the trainer does (``add_group``: the rest of a group again after a sample closed a
+micro-batch); ``feed=sample`` one ``add`` a sample; ``feed=both`` alternates the two within this process
+(A B B A ...) and prints a row for each.
 
 For each packer (sequence, tree) and planner (its token-budget planner, and the fixed-count planner of
 ``packing.token_budget <= 0`` with ``samples / rows`` samples per row), one repeat plans the whole step
-(``add`` every sample, then ``flush``) and packs every row of every micro-batch; one planner per case serves
+(every group or sample fed, then ``flush``) and packs every row of every micro-batch; one planner per case serves
 every repeat, as the trainer's serves every step. Reported: the median over
 ``repeats`` of planning and of packing time, in microseconds per sample, plus the rows and forwarded tokens of the
 plan. Defaults: 2,000 samples, P = C = 16, so Σ L is about 64k tokens, in rows of ``token_budget`` = 16,384.
@@ -26,7 +29,7 @@ goes back to the kernel and each row faults fresh pages in; ``both`` alternates 
 
 Usage: asyncgrpo bench planning [samples=2000] [group_size=16] [prompt_len=16] [completion_len=16] [topk=8]
        [token_budget=16384] [ranks=1] [rows=4] [repeats=5] [seed=0] [profile=0] [system_len=0] [share=1]
-       [host_memory=keep|return|both] [transport=batch|plain]
+       [host_memory=keep|return|both] [transport=batch|plain] [feed=group|sample|both]
 ``profile=N`` prints the N most expensive functions (cProfile, cumulative) of one repeat of each case, after a warm-up,
 instead.
 """
@@ -61,9 +64,14 @@ class Options:
     share: int = 1
     host_memory: str = "keep"
     transport: str = "batch"
+    feed: str = "group"
 
 
-CHOICES = {"host_memory": ("keep", "return", "both"), "transport": ("batch", "plain")}
+CHOICES = {
+    "host_memory": ("keep", "return", "both"),
+    "transport": ("batch", "plain"),
+    "feed": ("group", "sample", "both"),
+}
 
 
 def parse_options(argv: list[str]) -> Options:
@@ -155,9 +163,23 @@ def as_received(samples: list, group_size: int) -> list:
     ]
 
 
-def plan(planner: Any, samples: list) -> list:
-    """Every micro-batch ``planner`` emits for ``samples``, the final flush included."""
-    batches = [mb for s in samples if (mb := planner.add(s)) is not None]
+def plan(planner: Any, samples: list, group_size: int = 0) -> list:
+    """Every micro-batch ``planner`` emits for ``samples``, the final flush included: each group of ``group_size``
+    samples in one ``add_group`` call (the rest again after a sample closed a micro-batch), or with
+    ``group_size=0`` one ``add`` a sample."""
+    from asyncgrpo_cli.packing.planner import group_adder
+
+    if group_size <= 0:
+        batches = [mb for s in samples if (mb := planner.add(s)) is not None]
+    else:
+        batches, add_group = [], group_adder(planner)
+        for i in range(0, len(samples), group_size):
+            run = samples[i : i + group_size]
+            while run:
+                added = add_group(run)
+                if added.batch is not None:
+                    batches.append(added.batch)
+                run = run[added.taken :]
     last = planner.flush()
     return batches + ([last] if last is not None else [])
 
@@ -183,11 +205,14 @@ def cases(opts: Options) -> dict[str, tuple[Any, Any]]:
     return out
 
 
-def run_case(packer: Any, planner: Any, samples: list) -> tuple[float, float, list, list]:
+def run_case(
+    packer: Any, planner: Any, samples: list, group_size: int = 0
+) -> tuple[float, float, list, list]:
     """(planning seconds, packing seconds, micro-batches, packed rows) of one repeat: ``planner`` (empty: flushed
-    by the repeat before) plans the step, as the trainer's one planner plans step after step."""
+    by the repeat before) plans the step, as the trainer's one planner plans step after step (``group_size``:
+    :func:`plan`'s)."""
     t0 = time.perf_counter()
-    batches = plan(planner, samples)
+    batches = plan(planner, samples, group_size)
     t1 = time.perf_counter()
     rows = [packer.pack(row) for mb in batches for row in mb.rows]
     t2 = time.perf_counter()
@@ -208,21 +233,26 @@ def main(argv: list[str]) -> None:
     print(
         f"{n} samples in groups of {opts.group_size}, Σ L = {sum(map(len, samples))} tokens, "
         f"{sum(s.num_trained for s in samples)} trained, top-k {opts.topk}; token_budget {opts.token_budget}, "
-        f"{opts.ranks} rank(s), samples {source}; {platform.processor() or platform.machine()}, numpy {np.__version__}"
+        f"{opts.ranks} rank(s), samples {source}, fed {'by group' if opts.feed == 'group' else opts.feed}; "
+        f"{platform.processor() or platform.machine()}, numpy {np.__version__}"
     )
+    group_of = {"group": opts.group_size, "sample": 0}
     if opts.profile:
         import cProfile
         import pstats
 
+        g = group_of["sample" if opts.feed == "sample" else "group"]
         for name, (packer, make_planner) in cases(opts).items():
             print(f"\n## {name}")
             planner = make_planner()
-            run_case(packer, planner, samples)  # warm-up: numba's compiled kernels load on first use
+            run_case(packer, planner, samples, g)  # warm-up: numba's compiled kernels load on first use
             prof = cProfile.Profile()
-            prof.runcall(run_case, packer, planner, samples)
+            prof.runcall(run_case, packer, planner, samples, g)
             pstats.Stats(prof).sort_stats("cumulative").print_stats(opts.profile)
         return
-    modes = {"keep": ("kept",), "return": ("returned",), "both": ("kept", "returned")}[opts.host_memory]
+    memories = {"keep": ("kept",), "return": ("returned",), "both": ("kept", "returned")}[opts.host_memory]
+    feeds = {"group": ("group",), "sample": ("sample",), "both": ("sample", "group")}[opts.feed]
+    modes = [(memory, feed) for memory in memories for feed in feeds]
     print(
         "| case | micro-batches | rows | forwarded tokens | plan us/sample | pack us/sample | total | "
         "page faults/sample |"
@@ -230,22 +260,28 @@ def main(argv: list[str]) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for name, (packer, make_planner) in cases(opts).items():
         planner = make_planner()
-        _set_host_memory(modes[0])
-        run_case(packer, planner, samples)  # warm-up
-        times: dict[str, list[tuple[float, float, int]]] = {m: [] for m in modes}
+        _set_host_memory(modes[0][0])
+        for _, feed in modes:
+            run_case(packer, planner, samples, group_of[feed])  # warm-up
+        times: dict[tuple[str, str], list[tuple[float, float, int]]] = {m: [] for m in modes}
+        shapes = set()
         # with both settings: A B B A ...; each repeat's rows are freed before the next
         for r in range(opts.repeats):
             for mode in modes if r % 2 == 0 else modes[::-1]:
-                _set_host_memory(mode)
+                _set_host_memory(mode[0])
                 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-                plan_s, pack_s, batches, rows = run_case(packer, planner, samples)
+                plan_s, pack_s, batches, rows = run_case(packer, planner, samples, group_of[mode[1]])
                 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
                 times[mode].append((plan_s, pack_s, faults))
                 shape = (len(batches), len(rows), sum(row.num_forwarded for row in rows))
+                shapes.add(shape)
                 del batches, rows
+        if len(shapes) > 1:
+            raise RuntimeError(f"bench planning: {name} planned different steps by feed or memory: {shapes}")
         for mode in modes:
             plan_s, pack_s, faults = (statistics.median(t[i] for t in times[mode]) for i in range(3))
-            label = name if len(modes) == 1 else f"{name} ({mode} memory)"
+            parts = [f"{mode[0]} memory"] * (len(memories) > 1) + [f"fed by {mode[1]}"] * (len(feeds) > 1)
+            label = f"{name} ({', '.join(parts)})" if parts else name
             print(
                 f"| {label} | {shape[0]} | {shape[1]} | {shape[2]} | {plan_s / n * 1e6:.2f} | "
                 f"{pack_s / n * 1e6:.2f} | {(plan_s + pack_s) / n * 1e6:.2f} | {faults / n:.2f} |"

@@ -114,24 +114,30 @@ def _choose_new(
 
 @njit(cache=True, nogil=True)
 def _place(
-    nodes, store, meta, counts, walk, totals, homes, cat, offsets, trained, flags, flag_ends, group, start, budget,
+    nodes, store, meta, counts, walk, totals, homes, cat, lengths, trained, flags, flag_ends, group, start, budget,
     share, assign, rooms,
 ) -> int:  # pragma: no cover - compiled  # fmt: skip
-    """Place samples ``start, start + 1, ...`` (ids ``cat[offsets[i]:offsets[i + 1]]``, group ``group[i]``) by the
-    module docstring's rules into the rows' tries (``assign[i]``: the row), updating ``totals`` (per row: tokens,
-    trained, cost) and ``homes`` (per group and row: its trie root, -1 none; 0 when the row shares one trie).
-    ``walk[r]`` holds the sample's probe of row r's trie (each rule probes the rows it considers). ``trained[i]``:
-    sample i's trained tokens, counted here first when ``flags`` holds the samples' boolean masks one after
-    another (sample i's ending at ``flag_ends[i]``). Returns the index of the first sample no row may take (it
-    closes the micro-batch; nothing of it is placed), or the number of samples when every one was placed; then
-    ``rooms[r]`` is row r's room: the budget minus its forwarded or trained tokens, whichever is larger."""
+    """Place samples ``start, start + 1, ...`` (sample i: ``lengths[i]`` ids in ``cat`` after sample i - 1's, group
+    ``group[i]``) by the module docstring's rules into the rows' tries (``assign[i]``: the row), updating
+    ``totals`` (per row: tokens, trained, cost) and ``homes`` (per group and row: its trie root, -1 none; 0 when
+    the row shares one trie). ``walk[r]`` holds the sample's probe of row r's trie (each rule probes the rows it
+    considers). ``trained[i]``: sample i's trained tokens, counted here first when ``flags`` holds the samples'
+    boolean masks one after another (sample i's ending at ``flag_ends[i]``, or where its ids end when
+    ``flag_ends`` is empty). Returns the index of the first sample no row may take (it closes the micro-batch;
+    nothing of it is placed), or the number of samples when every one was placed; then ``rooms[r]`` is row r's
+    room: the budget minus its forwarded or trained tokens, whichever is larger."""
+    offsets = np.empty(lengths.shape[0] + 1, dtype=np.int64)
+    offsets[0] = 0
+    for i in range(lengths.shape[0]):
+        offsets[i + 1] = offsets[i] + lengths[i]
     if flags.shape[0]:  # boolean masks, one after another: count each sample's trained tokens here
         at = 0
         for i in range(trained.shape[0]):
+            end = flag_ends[i] if flag_ends.shape[0] else offsets[i + 1]
             c = 0
-            for t in range(at, flag_ends[i]):
+            for t in range(at, end):
                 c += flags[t]
-            trained[i], at = c, flag_ends[i]
+            trained[i], at = c, end
     ranks = totals.shape[0]
     candidates = np.zeros(ranks, dtype=np.bool_)
     for i in range(start, offsets.shape[0] - 1):
@@ -212,9 +218,10 @@ class TreeBudgetPlanner:
         self._homes = np.full((64, num_ranks), -1, dtype=np.int64)  # per group number and row: its trie root
         self._rooms = np.zeros(num_ranks, dtype=np.int64)  # per row: its room after the last placement
         self._groups: dict[Hashable, int] = {}  # this micro-batch's groups, numbered as they come
-        # the waiting samples, with their ids, trained tokens and group numbers
+        # the waiting samples, with their ids, masks, group numbers and lengths
         self._waiting: list[TrainingSequence] = []
         self._waiting_ids: list[np.ndarray] = []
+        self._waiting_masks: list[np.ndarray] = []
         self._waiting_group: list[int] = []
         self._waiting_len: list[int] = []  # their lengths
         self._uneven = False  # whether a waiting sample's mask is not as long as its ids
@@ -258,7 +265,9 @@ class TreeBudgetPlanner:
         self._waiting_ids.append(ids)
         self._waiting_group.append(g)
         self._waiting_len.append(length)
-        mask_len = sample.train_mask.shape[0]  # its tokens and trained tokens are at most the larger length
+        mask = sample.train_mask
+        self._waiting_masks.append(mask)
+        mask_len = mask.shape[0]  # its tokens and trained tokens are at most the larger length
         if mask_len != length:
             self._uneven = True
         if self._may_wait(sample, ids, length, length if length >= mask_len else mask_len, g):
@@ -291,6 +300,7 @@ class TreeBudgetPlanner:
             self._waiting_group.extend([self._group_number(k, s) for k, s in zip(keys, samples)])
         self._waiting.extend(samples)
         self._waiting_ids.extend(ids)
+        self._waiting_masks.extend(masks)
         self._waiting_len.extend(lengths)
         batch, closed = self._place_waiting(first)
         return GroupAdded(batch, closed - first + 1 if batch is not None else len(samples))
@@ -369,8 +379,15 @@ class TreeBudgetPlanner:
                     f"tree planner: sample {closed} of {n} waiting closed the micro-batch; only those from "
                     f"{may_close} on can (each sample deferred fit a row it may go to)"
                 )
-            for waiting in (self._waiting, self._waiting_ids, self._waiting_group, self._waiting_len):
-                del waiting[closed + 1 :]
+            waiting = (
+                self._waiting,
+                self._waiting_ids,
+                self._waiting_masks,
+                self._waiting_group,
+                self._waiting_len,
+            )
+            for column in waiting:  # the samples after the closing one are not taken
+                del column[closed + 1 :]
             key = group_key(self._waiting[closed])
             emitted = self._emit()
             self._groups[key] = self._waiting_group[closed] = 0  # the first group of the next micro-batch
@@ -378,6 +395,7 @@ class TreeBudgetPlanner:
             if self._place(closed) != closed + 1:
                 raise RuntimeError("tree planner: a sample did not fit an empty micro-batch")
         self._waiting, self._waiting_ids, self._waiting_group, self._waiting_len = [], [], [], []
+        self._waiting_masks = []
         self._uneven = False
         self._waiting_new.clear()
         return emitted, closed
@@ -391,29 +409,26 @@ class TreeBudgetPlanner:
             homes[: self._homes.shape[0]] = self._homes
             self._homes = homes
         forest, k = self._forest, n - start
-        ids = self._waiting_ids[start:]
-        offsets = np.zeros(k + 1, dtype=np.int64)
-        np.cumsum(np.array(self._waiting_len[start:], dtype=np.int64), out=offsets[1:])
+        lengths = self._waiting_len[start:]
         self._placed += k
         # a row's trie stores at most its forwarded tokens
-        self._stored = min(self._stored + int(offsets[-1]), self.token_budget)
+        self._stored = min(self._stored + sum(lengths), self.token_budget)
         forest.reserve(self._placed, self._stored)
-        masks = [s.train_mask for s in self._waiting[start:]]
+        masks = self._waiting_masks[start:]
         trained = np.empty(k, dtype=np.int64)
         flags = np.concatenate(masks)  # boolean only when every mask is: other dtypes promote away from bool
         if flags.dtype == _BOOL and flags.ndim == 1:
             flags = flags.view(np.uint8)  # their trained tokens are counted by the kernel
-            # each mask ends where its ids do, unless one is of another length (then the packer refuses its row)
-            flag_ends = (
-                np.cumsum(np.fromiter(map(len, masks), _INT64, count=k)) if self._uneven else offsets[1:]
-            )
+            # each mask ends where its ids do (no ends given), unless one is of another length (then the packer
+            # refuses its row)
+            flag_ends = np.cumsum(np.fromiter(map(len, masks), _INT64, count=k)) if self._uneven else _NO_ENDS
         else:
             trained[:] = [s.num_trained for s in self._waiting[start:]]
             flags, flag_ends = _NO_FLAGS, _NO_ENDS
         assign = np.empty(k, dtype=np.int64)
         stop = start + _place(
             forest.nodes, forest.store, forest.meta, forest.counts, forest.walk, self._totals, self._homes,
-            np.concatenate(ids), offsets, trained, flags, flag_ends,
+            np.concatenate(self._waiting_ids[start:]), np.array(lengths, dtype=np.int64), trained, flags, flag_ends,
             np.array(self._waiting_group[start:], dtype=np.int64), 0, self.token_budget, self.share_across_groups,
             assign, self._rooms,
         )  # fmt: skip

@@ -121,13 +121,14 @@ class RolloutProcess:
         """Samples the rollout process has queued that the trainer has not taken yet."""
         return max(0, int(self.shared.samples_put.value) - self.reader.taken)
 
-    def get(self, timeout: float) -> Any:
-        """Next item from the rollout queue, or None after ``timeout``; raises if the process failed or hung."""
+    def get(self, timeout: float, group: bool = False) -> Any:
+        """Next item from the rollout queue, or None after ``timeout``; raises if the process failed or hung. With
+        ``group=True`` samples come as a list, the rest of their group (``QueueReader``)."""
         deadline = time.monotonic() + timeout
         while True:
             wait = min(QUEUE_POLL_S, max(0.0, deadline - time.monotonic()))
             try:
-                return self.reader.get(timeout=wait)
+                return self.reader.get(timeout=wait, group=group)
             except queue.Empty:
                 self.check_health()
                 if self.on_idle is not None:
@@ -135,13 +136,17 @@ class RolloutProcess:
                 if time.monotonic() >= deadline:
                     return None
 
-    def poll(self) -> Any:
+    def poll(self, group: bool = False) -> Any:
         """The next item if one is queued now, else None: never waits and runs no health check or ``on_idle``
         (the step collector drains the queue with it while the trainer's GPU work runs, ``StepCollector.prefetch``)."""
         try:
-            return self.reader.get_nowait()
+            return self.reader.get_nowait(group=group)
         except queue.Empty:
             return None
+
+    def put_back(self, samples: list) -> None:
+        """Samples from the last ``get``/``poll`` the trainer did not use: they come first again."""
+        self.reader.put_back(samples)
 
     def forward_logs(self) -> None:
         """Hand the rollout process's forwarded log records to this process's handlers (by logger name)."""

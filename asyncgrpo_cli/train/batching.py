@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncgrpo_cli.metrics.reducer import MetricWindow
-from asyncgrpo_cli.packing.planner import MicroBatch, TokenBudgetPlanner
+from asyncgrpo_cli.packing.planner import MicroBatch, TokenBudgetPlanner, group_adder
 from asyncgrpo_cli.rollout.staleness import initial_allowance, is_stale, step_allowance
 from asyncgrpo_cli.samples import PromptResolved, RolloutDone, TrainingSequence
 from asyncgrpo_cli.train.progress import PromptTracker
@@ -70,6 +70,7 @@ class StepCollector:
         self.metrics = metrics
         self.should_stop = should_stop or (lambda: False)
         self.rollout_done = False
+        self._add_group = group_adder(planner)
         self._carry: list[MicroBatch] = []
         # until ``collect``: the version ``prefetch`` planned samples at, and their metrics (held for that step)
         self._prefetched_for: int | None = None
@@ -97,18 +98,20 @@ class StepCollector:
         if self._held is None:
             self._held = []
         while not self.rollout_done and len(self._carry) < self.grad_accum:
-            item = self.rollout.poll()
+            item = self.rollout.poll(group=True)
             if item is None:
                 break
             self._handle(item, model_version)
 
-    def _metric(self, name: str, value: float) -> None:
-        """A sample's metric: into the window, or held for the step that trains it (``prefetch`` runs during the
-        step before, whose window would otherwise log it)."""
+    def _metrics(self, name: str, values: list[float]) -> None:
+        """Samples' metric: into the window, or held for the step that trains them (``prefetch`` runs during the
+        step before, whose window would otherwise log them). Nothing when ``values`` is empty."""
+        if not values:
+            return
         if self._held is not None:
-            self._held.append((name, value))
+            self._held.extend((name, value) for value in values)
         else:
-            self.metrics.add(name, value)
+            self.metrics.extend(name, values)
 
     def planned_rows(self) -> list[list[TrainingSequence]]:
         """Every row of the micro-batches planned already, which ``collect`` returns next: micro-batch after
@@ -142,7 +145,7 @@ class StepCollector:
             if self.should_stop():
                 return None
             t0 = time.monotonic()
-            item = self.rollout.get(timeout=GET_TIMEOUT_S)
+            item = self.rollout.get(timeout=GET_TIMEOUT_S, group=True)
             t1 = time.monotonic()
             step.wait_s += t1 - t0
             if item is not None:
@@ -166,19 +169,32 @@ class StepCollector:
         if isinstance(item, RolloutDone):
             self.rollout_done = True
             return
-        sample: TrainingSequence = item
-        self.rollout.add_consumed(len(sample))
-        self._metric("sample/time_in_queue_s", max(0.0, time.time() - sample.enqueued_at))
-        if is_stale(model_version, sample.model_version, self.max_staleness):
-            self._metric("sample/dropped_stale_count", 1)
+        self._handle_group(item if isinstance(item, list) else [item], model_version)
+
+    def _handle_group(self, samples: list[TrainingSequence], model_version: int) -> None:
+        """A group's samples as the queue delivered them (what is left of the group), planned in one
+        ``add_group`` call. Each is handled as if it had come alone: counted, dropped when stale or oversize,
+        planned in order. When one closes a micro-batch, those after it go back to the queue's front and
+        ``collect``'s loop takes them next if the step needs them, as it would take the next sample; so a step
+        never takes a sample it does not need, and staleness is checked at the version that trains it."""
+        stale = [is_stale(model_version, s.model_version, self.max_staleness) for s in samples]
+        fresh = [i for i, old in enumerate(stale) if not old]
+        added = self._add_group([samples[i] for i in fresh]) if fresh else None
+        if added is not None and added.batch is not None:
+            used = fresh[added.taken - 1] + 1  # through the sample that closed the micro-batch
+            self.rollout.put_back(samples[used:])
+            samples, stale = samples[:used], stale[:used]
+            self._carry.append(added.batch)
+        now = time.time()
+        self.rollout.add_consumed(sum(map(len, samples)))
+        self._metrics("sample/time_in_queue_s", [max(0.0, now - s.enqueued_at) for s in samples])
+        dropped = [s for s, old in zip(samples, stale) if old]
+        if added is not None and added.dropped:  # oversize: positions among the fresh samples
+            self._metrics("batch/dropped_oversize_count", [1] * len(added.dropped))
+            dropped += [samples[fresh[i]] for i in added.dropped]
+        self._metrics("sample/dropped_stale_count", [1] * sum(stale))
+        for sample in dropped:
             self.tracker.on_sample_done(sample.prompt_seq, sample.group_num_samples)
-            return
-        self._metric("sample/staleness_mean", model_version - sample.model_version)
-        self._metric("sample/staleness_max", model_version - sample.model_version)
-        dropped_before = self.planner.dropped_oversize_count
-        mb = self.planner.add(sample)
-        if self.planner.dropped_oversize_count > dropped_before:
-            self._metric("batch/dropped_oversize_count", 1)
-            self.tracker.on_sample_done(sample.prompt_seq, sample.group_num_samples)
-        if mb is not None:
-            self._carry.append(mb)
+        lags = [model_version - s.model_version for s, old in zip(samples, stale) if not old]
+        self._metrics("sample/staleness_mean", lags)
+        self._metrics("sample/staleness_max", lags)

@@ -58,6 +58,7 @@ def main(argv: list[str]) -> None:
     import torch
 
     from asyncgrpo_cli import registry
+    from asyncgrpo_cli.bench.planning import plan
     from asyncgrpo_cli.config.compose import compose_config
     from asyncgrpo_cli.model.loading import load_policy
     from asyncgrpo_cli.model.logprobs import token_logprobs
@@ -96,9 +97,7 @@ def main(argv: list[str]) -> None:
         )
         t0 = time.perf_counter()
         planner = planner_for(packer)(budget, num_ranks=1)
-        mbs = [mb for s in samples if (mb := planner.add(s)) is not None]
-        last = planner.flush()
-        mbs += [last] if last is not None else []
+        mbs = plan(planner, samples, G)  # a group a call, as the trainer plans them
         rows = [packer.pack(mb.rows[0]) for mb in mbs]
         t_plan = time.perf_counter() - t0
         n_trained = sum(r.num_trained for r in rows)

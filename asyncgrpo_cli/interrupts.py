@@ -8,9 +8,11 @@ scheduler's preemption or timeout) landed there would train on until the schedul
 children behind; a Ctrl-C would need pressing again.
 
 ``interruptible()`` installs the SIGTERM handler and a ``sys.unraisablehook`` that recognises a dropped
-``Terminated`` or ``KeyboardInterrupt`` and sends the same signal again a moment later (from a timer thread, so the
-handler runs in ordinary Python frames once the C code returns), until one lands where it can unwind. Everything
-else goes to the previous hook. No library does this; it is small.
+``Terminated`` or ``KeyboardInterrupt`` and has the same signal sent again a moment later, from a thread of its
+own, so the handler runs in ordinary Python frames once the C code returns; until one lands where it can unwind.
+Everything else goes to the previous hook. One dropped in the last moment of the block is raised when the block
+ends, never sent after the handler is restored (the default action would kill the process without unwinding). No
+library does this; it is small.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -35,12 +38,46 @@ def _terminate(signum, frame) -> None:
 
 
 _SIGNALS = ((Terminated, signal.SIGTERM), (KeyboardInterrupt, signal.SIGINT))
+_RAISES = {signum: kind for kind, signum in _SIGNALS}
 
 
-def _redeliver(signum: int) -> None:
-    timer = threading.Timer(REDELIVER_AFTER_S, os.kill, (os.getpid(), signum))
-    timer.daemon = True
-    timer.start()
+class _Resender:
+    """Sends a dropped interrupt's signal to this process again, ``REDELIVER_AFTER_S`` after :meth:`request`, from
+    a thread started up front: the hook may run inside garbage collection, where starting a thread could deadlock,
+    so :meth:`request` only sets a value and an event."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._signum: int | None = None
+        self._closed = False
+        threading.Thread(target=self._run, name="asyncgrpo-interrupts", daemon=True).start()
+
+    def request(self, signum: int) -> None:
+        self._signum = signum
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            if self._closed:
+                return
+            time.sleep(REDELIVER_AFTER_S)
+            with self._lock:
+                if self._closed:
+                    return
+                self._wake.clear()  # before reading: a request from now on wakes the next round
+                signum, self._signum = self._signum, None
+                if signum is not None:
+                    os.kill(os.getpid(), signum)
+
+    def close(self) -> int | None:
+        """Stop; the signal of a request not sent yet, if any."""
+        with self._lock:
+            self._closed = True
+            late, self._signum = self._signum, None
+        self._wake.set()
+        return late
 
 
 @contextmanager
@@ -49,11 +86,12 @@ def interruptible() -> Iterator[None]:
     is lost to a C callback (module docstring). Restores the previous handler and hook on exit."""
     previous_handler = signal.signal(signal.SIGTERM, _terminate)
     previous_hook = sys.unraisablehook
+    resender = _Resender()
 
     def hook(unraisable) -> None:
         for kind, signum in _SIGNALS:
             if isinstance(unraisable.exc_type, type) and issubclass(unraisable.exc_type, kind):
-                _redeliver(signum)
+                resender.request(signum)
                 return
         previous_hook(unraisable)
 
@@ -61,5 +99,10 @@ def interruptible() -> Iterator[None]:
     try:
         yield
     finally:
-        sys.unraisablehook = previous_hook
-        signal.signal(signal.SIGTERM, previous_handler)
+        try:
+            late = resender.close()
+        finally:
+            sys.unraisablehook = previous_hook
+            signal.signal(signal.SIGTERM, previous_handler)
+        if late is not None and sys.exc_info()[0] is None:  # dropped just now: raise it here instead
+            raise _RAISES[late]()

@@ -274,7 +274,9 @@ def test_sigterm_stops_every_process_the_run_started(tmp_path):
             time.sleep(2)
             proc.kill()
             _, err = proc.communicate(timeout=30)
-            pytest.fail(f"the run did not stop within 60 s of SIGTERM; its stderr, stacks last:\n{err[-8000:]}")
+            pytest.fail(
+                f"the run did not stop within 60 s of SIGTERM; its stderr, stacks last:\n{err[-8000:]}"
+            )
     finally:
         if proc.poll() is None:
             proc.kill()

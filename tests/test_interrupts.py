@@ -50,6 +50,15 @@ def test_an_interrupt_dropped_in_a_c_callback_is_delivered_again(signum, kind):
     assert events == ["signalled", "qsort returned"]
 
 
+@pytest.mark.parametrize("signum, kind", [(signal.SIGTERM, Terminated), (signal.SIGINT, KeyboardInterrupt)])
+def test_an_interrupt_dropped_as_the_block_ends_is_raised_there_not_sent_later(signum, kind):
+    """Sent again after the handler is restored, SIGTERM's default action would kill the process unwound."""
+    with pytest.raises(kind):
+        with interruptible():
+            _signal_inside_a_c_callback(signum)
+    time.sleep(0.2)  # nothing is sent after the block: this process lives on
+
+
 def test_other_dropped_exceptions_reach_the_previous_hook(monkeypatch):
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: seen.append(unraisable.exc_type))

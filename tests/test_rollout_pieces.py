@@ -262,7 +262,7 @@ def _group_stream(rng, groups: int) -> list:
             ids = np.concatenate([prompt, rng.integers(0, 50, size=n)]).astype(np.int64)
             s = TrainingSequence(ids, np.arange(len(ids)) >= len(prompt), np.zeros(len(ids), np.float32))
             s.prompt_seq, s.group_id = g, g
-            s.model_version = int(rng.integers(6, 11))  # the trainer stays at 10: two in five are stale
+            s.model_version = 10 + g // 6 - int(rng.integers(0, 5))  # against the trainer's, some stale
             s.enqueued_at = float("inf")  # queue time: 0
             samples.append(s)
         for s in samples:
@@ -295,11 +295,12 @@ def test_a_group_planned_at_once_makes_the_steps_of_its_samples_one_by_one(seed)
             grad_accum=accum,
             metrics=window,
         )
-        steps, order = [], np.random.default_rng(seed)  # the same prefetches for both
+        # the same prefetches and versions for both; a sample put back is checked again at a later version
+        steps, version, order = [], 10, np.random.default_rng(seed)
         while not collector.exhausted:
             if order.random() < 0.5:
-                collector.prefetch(model_version=10)
-            step = collector.collect(model_version=10)
+                collector.prefetch(model_version=version)
+            step = collector.collect(model_version=version)
             if step is None:
                 break
             rows = [  # a filler row (end of data) holds a context-only copy, made anew by each planner
@@ -308,6 +309,7 @@ def test_a_group_planned_at_once_makes_the_steps_of_its_samples_one_by_one(seed)
             ]
             steps.append((rows, sorted(window.reduce().items())))
             collector.step_trained(step)
+            version += int(order.random() < 0.4)
         runs.append((steps, tracker.state(), rollout.consumed, collector.planner.dropped_oversize_count))
         put_backs = put_backs if items is flat else rollout.put_backs
     (got, got_state, got_consumed, got_oversize), want = runs[0], runs[1]

@@ -344,7 +344,8 @@ def test_a_run_of_samples_at_once_gives_the_micro_batches_of_adding_each(share):
     """``add_group`` (one compiled placement of a run, what the trainer calls with a group off the queue) against
     ``add`` a sample: the same micro-batches, closed by the same sample, the same samples taken and dropped; runs
     mixed with single ``add`` calls (deferred samples waiting when a run comes), runs of several groups, oversize
-    samples and ids of another dtype (``add`` a sample then), over 1-8 ranks and tight to roomy budgets."""
+    samples (``add`` a sample then), int32 ids and masks of another length than their ids, over 1-8 ranks and
+    tight to roomy budgets."""
     cls = TreeBudgetPlanner if share else GroupTreeBudgetPlanner
     rng = np.random.default_rng(11 + share)
     closed_inside = 0
@@ -352,10 +353,19 @@ def test_a_run_of_samples_at_once_gives_the_micro_batches_of_adding_each(share):
         ranks = int(rng.choice([1, 2, 3, 8]))
         budget = int(rng.choice([60, 150, 400, 2000]))
         samples = grpo_stream(rng, int(rng.integers(2, 30)))
-        for i in rng.integers(0, len(samples), size=int(rng.integers(0, 3))):  # oversize, or int32 ids
-            s = samples[i]
-            ids = np.arange(budget + 5) if rng.random() < 0.5 else s.input_ids.astype(np.int32)
-            samples[i] = seq(ids, s.group_id, trained=min(len(ids) - 1, 3))
+        for i in rng.integers(0, len(samples), size=int(rng.integers(0, 4))):
+            s, kind = samples[i], rng.random()
+            if kind < 0.4:  # longer than the budget
+                samples[i] = seq(np.arange(budget + 5), s.group_id, trained=3)
+                continue
+            ids, mask = s.input_ids, s.train_mask
+            if kind < 0.7:
+                ids = ids.astype(np.int32)  # converted as add converts them
+            else:
+                mask = mask[:-1] if rng.random() < 0.5 else np.append(mask, True)  # a mask of another length
+            samples[i] = TrainingSequence(
+                ids, mask, s.sampler_logprobs, group_id=s.group_id, prompt_seq=s.prompt_seq
+            )
         runs, left = [], len(samples)
         while left:
             runs.append(min(left, int(rng.integers(1, 20))))

@@ -274,10 +274,10 @@ def main(argv: list[str]) -> None:
                 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
                 times[mode].append((plan_s, pack_s, faults))
                 shape = (len(batches), len(rows), sum(row.num_forwarded for row in rows))
-                shapes.add(shape)
+                shapes.add((*shape, _rows_of(batches)))
                 del batches, rows
         if len(shapes) > 1:
-            raise RuntimeError(f"bench planning: {name} planned different steps by feed or memory: {shapes}")
+            raise RuntimeError(f"bench planning: {name} planned different rows by feed or memory setting")
         for mode in modes:
             plan_s, pack_s, faults = (statistics.median(t[i] for t in times[mode]) for i in range(3))
             parts = [f"{mode[0]} memory"] * (len(memories) > 1) + [f"fed by {mode[1]}"] * (len(feeds) > 1)
@@ -287,6 +287,16 @@ def main(argv: list[str]) -> None:
                 f"{pack_s / n * 1e6:.2f} | {(plan_s + pack_s) / n * 1e6:.2f} | {faults / n:.2f} |"
             )
     _set_host_memory("kept")
+
+
+def _rows_of(batches: list) -> tuple:
+    """The planned rows as the identities of their samples (a filler row's context-only copy, made anew by each
+    plan: its length)."""
+    return tuple(
+        tuple(len(s) if r in mb.filler_ranks else id(s) for s in row)
+        for mb in batches
+        for r, row in enumerate(mb.rows)
+    )
 
 
 def _set_host_memory(mode: str) -> None:

@@ -177,6 +177,7 @@ class StepCollector:
         planned in order. When one closes a micro-batch, those after it go back to the queue's front and
         ``collect``'s loop takes them next if the step needs them, as it would take the next sample; so a step
         never takes a sample it does not need, and staleness is checked at the version that trains it."""
+        now = time.time()  # when they were taken off the queue, before planning
         stale = [is_stale(model_version, s.model_version, self.max_staleness) for s in samples]
         fresh = [i for i, old in enumerate(stale) if not old]
         added = self._add_group([samples[i] for i in fresh]) if fresh else None
@@ -185,7 +186,6 @@ class StepCollector:
             self.rollout.put_back(samples[used:])
             samples, stale = samples[:used], stale[:used]
             self._carry.append(added.batch)
-        now = time.time()
         self.rollout.add_consumed(sum(map(len, samples)))
         self._metrics("sample/time_in_queue_s", [max(0.0, now - s.enqueued_at) for s in samples])
         dropped = [s for s, old in zip(samples, stale) if old]

@@ -268,6 +268,13 @@ def grpo_stream(rng, num_groups: int):
     return out
 
 
+def random_case(rng) -> tuple[int, int, list[TrainingSequence]]:
+    """(ranks, token budget, samples): 1-8 ranks, tight to roomy budgets, a GRPO-like stream."""
+    ranks = int(rng.choice([1, 2, 3, 8]))
+    budget = int(rng.choice([60, 150, 400, 2000]))
+    return ranks, budget, grpo_stream(rng, int(rng.integers(2, 30)))
+
+
 @pytest.mark.parametrize("share", [True, False], ids=["row_trie", "group_tries"])
 def test_deferred_samples_give_the_micro_batches_of_deciding_each_on_arrival(share, monkeypatch):
     """``add`` defers the samples that cannot close a micro-batch and places them together later. Against the
@@ -277,9 +284,7 @@ def test_deferred_samples_give_the_micro_batches_of_deciding_each_on_arrival(sha
     rng = np.random.default_rng(7 + share)
     deferred = 0
     for _ in range(40):
-        ranks = int(rng.choice([1, 2, 3, 8]))
-        budget = int(rng.choice([60, 150, 400, 2000]))
-        samples = grpo_stream(rng, int(rng.integers(2, 30)))
+        ranks, budget, samples = random_case(rng)
         lazy = cls(budget, ranks)
         with monkeypatch.context() as m:
             eager = cls(budget, ranks)
@@ -350,9 +355,7 @@ def test_a_run_of_samples_at_once_gives_the_micro_batches_of_adding_each(share):
     rng = np.random.default_rng(11 + share)
     closed_inside = 0
     for trial in range(40):
-        ranks = int(rng.choice([1, 2, 3, 8]))
-        budget = int(rng.choice([60, 150, 400, 2000]))
-        samples = grpo_stream(rng, int(rng.integers(2, 30)))
+        ranks, budget, samples = random_case(rng)
         for i in rng.integers(0, len(samples), size=int(rng.integers(0, 4))):
             s, kind = samples[i], rng.random()
             if kind < 0.4:  # longer than the budget

@@ -274,12 +274,14 @@ def _group_stream(rng, groups: int) -> list:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_a_group_planned_at_once_makes_the_steps_of_its_samples_one_by_one(seed):
+def test_a_group_planned_at_once_makes_the_steps_of_its_samples_one_by_one(seed, monkeypatch):
     """The collector hands the planner a group's samples in one call (``add_group``), putting those after a
     closing sample back. Against the same stream with every sample its own item: the same steps (rows of the
     same samples), metrics, prompt tracking and consumed tokens, over collects and prefetches of tight rows."""
     from asyncgrpo_cli.packing.tree_planner import TreeBudgetPlanner
 
+    # these groups of 1-8 through the compiled call, not add's deferral
+    monkeypatch.setattr(TreeBudgetPlanner, "min_group_run", 1)
     rng = np.random.default_rng(seed)
     stream = _group_stream(rng, 40) + [RolloutDone(num_prompts=40)]
     flat = [s for item in stream for s in (item if isinstance(item, list) else [item])]

@@ -344,14 +344,16 @@ def feed_runs(planner, samples, runs: list[int], single: set[int], group=None) -
     return out + [planner.flush()], calls
 
 
+@pytest.mark.parametrize("min_run", [1, TreeBudgetPlanner.min_group_run], ids=["every_run", "default"])
 @pytest.mark.parametrize("share", [True, False], ids=["row_trie", "group_tries"])
-def test_a_run_of_samples_at_once_gives_the_micro_batches_of_adding_each(share):
+def test_a_run_of_samples_at_once_gives_the_micro_batches_of_adding_each(share, min_run, monkeypatch):
     """``add_group`` (one compiled placement of a run, what the trainer calls with a group off the queue) against
     ``add`` a sample: the same micro-batches, closed by the same sample, the same samples taken and dropped; runs
     mixed with single ``add`` calls (deferred samples waiting when a run comes), runs of several groups, oversize
     samples (``add`` a sample then), int32 ids and masks of another length than their ids, over 1-8 ranks and
     tight to roomy budgets."""
     cls = TreeBudgetPlanner if share else GroupTreeBudgetPlanner
+    monkeypatch.setattr(cls, "min_group_run", min_run)  # 1: every run through the compiled placement
     rng = np.random.default_rng(11 + share)
     closed_inside = 0
     for trial in range(40):
@@ -371,7 +373,7 @@ def test_a_run_of_samples_at_once_gives_the_micro_batches_of_adding_each(share):
             )
         runs, left = [], len(samples)
         while left:
-            runs.append(min(left, int(rng.integers(1, 20))))
+            runs.append(min(left, int(rng.integers(1, 30))))
             left -= runs[-1]
         single = {k for k in range(len(runs)) if rng.random() < 0.2}
         got, got_calls = feed_runs(cls(budget, ranks), samples, runs, single)

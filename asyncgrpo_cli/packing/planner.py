@@ -22,14 +22,11 @@ import heapq
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from asyncgrpo_cli.samples import TrainingSequence
-
-if TYPE_CHECKING:
-    from asyncgrpo_cli.protocols import Planner
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +86,12 @@ class Budgeted(Protocol):
     dropped_oversize_count: int
 
 
+class Adds(Budgeted, Protocol):
+    """What :func:`add_each` uses of a planner (a :class:`~asyncgrpo_cli.protocols.Planner`)."""
+
+    def add(self, sample: TrainingSequence) -> MicroBatch | None: ...
+
+
 def refuse(planner: Budgeted, length: int) -> None:
     """A sample ``planner`` cannot take: an empty one is an error; one longer than its ``token_budget`` is dropped,
     counted in its ``dropped_oversize_count`` and warned about."""
@@ -123,7 +126,7 @@ class GroupPlanner(Protocol):
     def add_group(self, samples: Sequence[TrainingSequence]) -> GroupAdded: ...
 
 
-def group_adder(planner: Planner) -> Callable[[Sequence[TrainingSequence]], GroupAdded]:
+def group_adder(planner: Adds) -> Callable[[Sequence[TrainingSequence]], GroupAdded]:
     """``add_group(samples)`` for ``planner``: ``add`` on each of ``samples`` in order until one closes a
     micro-batch (:class:`GroupAdded`), through the planner's own ``add_group`` when it has one
     (:class:`GroupPlanner`), else :func:`add_each`. The trainer hands the planner a group's samples as the rollout
@@ -133,7 +136,7 @@ def group_adder(planner: Planner) -> Callable[[Sequence[TrainingSequence]], Grou
     return functools.partial(add_each, planner)
 
 
-def add_each(planner: Planner, samples: Sequence[TrainingSequence]) -> GroupAdded:
+def add_each(planner: Adds, samples: Sequence[TrainingSequence]) -> GroupAdded:
     """:func:`add_group` by one ``add`` call a sample: what every ``add_group`` must equal."""
     dropped = []
     for i, sample in enumerate(samples):

@@ -41,10 +41,10 @@ Every emitted micro-batch has a non-empty row on every rank: an admissible sampl
 empty row, and rules 2-3 use an empty row before emitting. A sample longer than ``token_budget`` is dropped and
 counted in ``dropped_oversize_count``.
 
-How it runs: the rules are a compiled kernel (:func:`_place`) over the tries' arrays, and a compiled call costs
-about as much as deciding a sample in Python, so ``add`` defers the samples that cannot close the micro-batch,
-whatever the rules do with the samples deferred before them, and places them later, in arrival order, in one
-call. A row's *room* is ``budget`` minus its forwarded or trained tokens, whichever is larger. Each deferred
+How it runs: the rules are a compiled kernel (``packing/tree_rules.py``) over the tries' arrays, and a compiled
+call costs about as much as deciding a sample in Python, so ``add`` defers the samples that cannot close the
+micro-batch, whatever the rules do with the samples deferred before them, and places them later, in arrival
+order, in one call. A row's *room* is ``budget`` minus its forwarded or trained tokens, whichever is larger. Each deferred
 sample claims, from the rows it may go to, the most it can add to one (its length, and trained tokens, at most
 its length; a sample that starts with its group's first sample's untrained prefix of P tokens adds at most
 L - P + 1 tokens to the row holding that sample). A sample may be deferred when its claim fits the unclaimed
@@ -74,139 +74,16 @@ from collections.abc import Hashable, Sequence
 from operator import attrgetter
 
 import numpy as np
-from numba import njit
 
 from asyncgrpo_cli.packing.planner import GroupAdded, MicroBatch, add_each, context_only, refuse
-from asyncgrpo_cli.packing.trie import NODES, SAMPLES, Forest, PlannedRow, commit, group_key, new_root, probe
+from asyncgrpo_cli.packing.tree_rules import COST, TOKENS, TRAINED, place
+from asyncgrpo_cli.packing.trie import SAMPLES, Forest, PlannedRow, group_key
 from asyncgrpo_cli.samples import TrainingSequence
 
 _INT64, _BOOL = np.dtype(np.int64), np.dtype(np.bool_)
 _IDS, _MASK = attrgetter("input_ids"), attrgetter("train_mask")
 _GROUP_KEY = attrgetter("group_id", "prompt_seq")  # group_key(sample)
 _NO_FLAGS, _NO_ENDS = np.zeros(0, dtype=np.uint8), np.zeros(0, dtype=np.int64)  # masks not boolean: _place
-# columns of the rows' running totals (``TreeBudgetPlanner._totals``)
-TOKENS, TRAINED, COST = range(3)
-
-
-@njit(cache=True, nogil=True)
-def _trie_root(forest_nodes: np.ndarray, homes: np.ndarray, g: int, r: int, share: bool) -> int:
-    """The root of the trie a sample of group ``g`` joins in row ``r`` (-1: none, it places every token): the row's
-    trie (node 0) once the row holds anything; with one trie per group, the group's trie in that row."""
-    if share:
-        return 0 if forest_nodes[r] > 0 else -1
-    return homes[g, r]
-
-
-@njit(cache=True, nogil=True)
-def _choose_new(
-    nodes, store, counts, walk, totals, homes, ids, g, tr, budget, share, candidates, top
-) -> int:  # pragma: no cover - compiled
-    """The fitting row among ``candidates`` of least attention cost after adding the sample (ties: lowest rank);
-    with ``top >= 0`` only one whose cost after stays <= top (rule 2); -1 when there is none (rule 3)."""
-    length = ids.shape[0]
-    pairs = length * (length + 1) // 2
-    best, best_after = -1, 0
-    for r in range(totals.shape[0]):
-        if not candidates[r]:
-            continue
-        root = _trie_root(counts[:, NODES], homes, g, r, share)
-        if root < 0:
-            new, after = length, totals[r, COST] + pairs
-        else:
-            own = probe(nodes[r], store[r], root, ids, walk[r])
-            new, after = length - own, totals[r, COST] + (length * (length + 1) - own * (own + 1)) // 2
-        if totals[r, TOKENS] + new > budget or totals[r, TRAINED] > budget - tr or (top >= 0 and after > top):
-            continue
-        if best < 0 or after < best_after:
-            best, best_after = r, after
-    return best
-
-
-@njit(cache=True, nogil=True)
-def _place(
-    nodes, store, meta, counts, walk, totals, homes, cat, lengths, trained, flags, flag_ends, group, start, budget,
-    share, assign, rooms,
-) -> int:  # pragma: no cover - compiled  # fmt: skip
-    """Place samples ``start, start + 1, ...`` (sample i: ``lengths[i]`` ids in ``cat`` after sample i - 1's, group
-    ``group[i]``) by the module docstring's rules into the rows' tries (``assign[i]``: the row), updating
-    ``totals`` (per row: tokens, trained, cost) and ``homes`` (per group and row: its trie root, -1 none; 0 when
-    the row shares one trie). ``walk[r]`` holds the sample's probe of row r's trie (each rule probes the rows it
-    considers). ``trained[i]``: sample i's trained tokens, counted here first when ``flags`` holds the samples'
-    boolean masks one after another (sample i's ending at ``flag_ends[i]``, or where its ids end when
-    ``flag_ends`` is empty). Returns the index of the first sample no row may take (it closes the micro-batch;
-    nothing of it is placed), or the number of samples when every one was placed; then ``rooms[r]`` is row r's
-    room: the budget minus its forwarded or trained tokens, whichever is larger."""
-    offsets = np.empty(lengths.shape[0] + 1, dtype=np.int64)
-    offsets[0] = 0
-    for i in range(lengths.shape[0]):
-        offsets[i + 1] = offsets[i] + lengths[i]
-    if flags.shape[0]:  # boolean masks, one after another: count each sample's trained tokens here
-        at = 0
-        for i in range(trained.shape[0]):
-            end = flag_ends[i] if flag_ends.shape[0] else offsets[i + 1]
-            c = 0
-            for t in range(at, end):
-                c += flags[t]
-            trained[i], at = c, end
-    ranks = totals.shape[0]
-    candidates = np.zeros(ranks, dtype=np.bool_)
-    for i in range(start, offsets.shape[0] - 1):
-        ids = cat[offsets[i] : offsets[i + 1]]
-        length, tr, g = ids.shape[0], trained[i], group[i]
-        rank, best_new, best_after = -1, 0, 0
-        held = False
-        for r in range(ranks):  # rule 1: fewest new tokens, then lowest cost after, then lowest rank
-            if homes[g, r] < 0:
-                continue
-            held = True
-            own = probe(nodes[r], store[r], _trie_root(counts[:, NODES], homes, g, r, share), ids, walk[r])
-            new = length - own
-            if totals[r, TOKENS] + new > budget or totals[r, TRAINED] > budget - tr:
-                continue
-            after = totals[r, COST] + (length * (length + 1) - own * (own + 1)) // 2
-            if rank < 0 or new < best_new or (new == best_new and after < best_after):
-                rank, best_new, best_after = r, new, after
-        if held and rank < 0:
-            for r in range(ranks):  # rule 2: an empty row
-                if counts[r, SAMPLES] == 0:
-                    rank = r
-                    break
-            if rank < 0:  # rule 2: a row it does not make the costliest
-                for r in range(ranks):
-                    candidates[r] = homes[g, r] < 0
-                top = totals[0, COST]
-                for r in range(1, ranks):
-                    top = max(top, totals[r, COST])
-                rank = _choose_new(
-                    nodes, store, counts, walk, totals, homes, ids, g, tr, budget, share, candidates, top
-                )
-        elif not held:  # rule 3
-            candidates[:] = True
-            rank = _choose_new(
-                nodes, store, counts, walk, totals, homes, ids, g, tr, budget, share, candidates, -1
-            )
-        if rank < 0:
-            _fill_rooms(totals, budget, rooms)
-            return i
-        root = _trie_root(counts[:, NODES], homes, g, rank, share)
-        if root < 0:  # the row has no trie this sample joins: a new one (else the rules probed the row's)
-            root = new_root(nodes[rank], counts[rank])
-            probe(nodes[rank], store[rank], root, ids, walk[rank])
-        own = commit(nodes[rank], store[rank], meta[rank], counts[rank], ids, walk[rank])
-        homes[g, rank] = root
-        totals[rank, TOKENS] += length - own
-        totals[rank, TRAINED] += tr
-        totals[rank, COST] += (length * (length + 1) - own * (own + 1)) // 2
-        assign[i] = rank
-    _fill_rooms(totals, budget, rooms)
-    return offsets.shape[0] - 1
-
-
-@njit(cache=True, nogil=True)
-def _fill_rooms(totals: np.ndarray, budget: int, rooms: np.ndarray) -> None:  # pragma: no cover - compiled
-    """``rooms[r]``: row r's room, the budget minus its forwarded or trained tokens, whichever is larger."""
-    for r in range(totals.shape[0]):
-        rooms[r] = budget - max(totals[r, TOKENS], totals[r, TRAINED])
 
 
 def _int64_ids(ids: list[np.ndarray]) -> np.ndarray:
@@ -279,11 +156,7 @@ class TreeBudgetPlanner:
         length = ids.shape[0]
         if not 0 < length <= self.token_budget:
             return refuse(self, length)
-        key = (sample.group_id, sample.prompt_seq)  # group_key(sample), inline: this runs for every sample
-        g = self._groups.get(key)
-        if g is None:
-            g = self._groups[key] = len(self._groups)
-            self._first.append(sample)
+        g = self._group_number(_GROUP_KEY(sample), sample)
         self._waiting.append(sample)
         self._waiting_ids.append(ids)
         self._waiting_group.append(g)
@@ -447,7 +320,7 @@ class TreeBudgetPlanner:
             trained[:] = [s.num_trained for s in self._waiting[start:]]
             flags, flag_ends = _NO_FLAGS, _NO_ENDS
         assign = np.empty(k, dtype=np.int64)
-        stop = start + _place(
+        stop = start + place(
             forest.nodes, forest.store, forest.meta, forest.counts, forest.walk, self._totals, self._homes,
             _int64_ids(self._waiting_ids[start:]), np.array(lengths, dtype=np.int64), trained, flags, flag_ends,
             np.array(self._waiting_group[start:], dtype=np.int64), 0, self.token_budget, self.share_across_groups,
@@ -456,11 +329,11 @@ class TreeBudgetPlanner:
         self._slack, self._claimed = self._rooms.tolist(), 0
         self._home_rows = {}
         self._placed_groups = groups
-        rows, ranks = self._rows, assign[: stop - start].tolist()
-        if len(rows) == 1 or (ranks and ranks.count(ranks[0]) == len(ranks)):  # a group keeps to one row
-            rows[ranks[0] if ranks else 0].extend(self._waiting[start:stop])
+        rows, placed, ranks = self._rows, self._waiting[start:stop], assign[: stop - start].tolist()
+        if ranks and ranks.count(ranks[0]) == len(ranks):  # one row (a group keeps to its row)
+            rows[ranks[0]].extend(placed)
         else:
-            for sample, rank in zip(self._waiting[start:stop], ranks):
+            for sample, rank in zip(placed, ranks):
                 rows[rank].append(sample)
         self._placed -= n - stop
         return stop

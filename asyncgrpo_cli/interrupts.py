@@ -11,8 +11,12 @@ children behind; a Ctrl-C would need pressing again.
 ``Terminated`` or ``KeyboardInterrupt`` and has the same signal sent again a moment later, from a thread of its
 own, so the handler runs in ordinary Python frames once the C code returns; until one lands where it can unwind.
 Everything else goes to the previous hook. One dropped in the last moment of the block is raised when the block
-ends, never sent after the handler is restored (the default action would kill the process without unwinding). No
-library does this; it is small.
+ends, never sent after the handler is restored (the default action would kill the process without unwinding).
+
+C++ code can also turn the interrupt into an ordinary error: torch's zip writer calls a Python ``write`` and reports
+its ``KeyboardInterrupt`` as "unexpected pos ..." (a Ctrl-C during a checkpoint save once ended a run with status 1
+and a corrupt-stream message). The handlers count the interrupts that arrive; ``surfaced()`` raises the interrupt in
+place of any error that leaves it after one arrived inside it. No library does this; it is small.
 """
 
 from __future__ import annotations
@@ -33,12 +37,22 @@ class Terminated(BaseException):
     """SIGTERM (a scheduler's timeout or preemption): unwind so everything the run started is stopped."""
 
 
-def _terminate(signum, frame) -> None:
-    raise Terminated()
-
-
 _SIGNALS = ((Terminated, signal.SIGTERM), (KeyboardInterrupt, signal.SIGINT))
 _RAISES = {signum: kind for kind, signum in _SIGNALS}
+
+
+class _Arrivals:
+    """The interrupts the handlers raised (a count and the last one's signal) and the block's resender."""
+
+    count = 0
+    last: int | None = None
+    resender: _Resender | None = None
+
+
+def _raise_interrupt(signum, frame) -> None:
+    _Arrivals.count += 1
+    _Arrivals.last = signum
+    raise _RAISES[signum]()
 
 
 class _Resender:
@@ -71,6 +85,11 @@ class _Resender:
                 if signum is not None:
                     os.kill(os.getpid(), signum)
 
+    def cancel(self) -> None:
+        """Forget a request not sent yet (its interrupt is being raised another way)."""
+        with self._lock:
+            self._signum = None
+
     def close(self) -> int | None:
         """Stop; the signal of a request not sent yet, if any."""
         with self._lock:
@@ -83,10 +102,10 @@ class _Resender:
 @contextmanager
 def interruptible() -> Iterator[None]:
     """Within: SIGTERM raises ``Terminated`` in the main thread, and neither it nor Ctrl-C's ``KeyboardInterrupt``
-    is lost to a C callback (module docstring). Restores the previous handler and hook on exit."""
-    previous_handler = signal.signal(signal.SIGTERM, _terminate)
+    is lost to a C callback (module docstring). Restores the previous handlers and hook on exit."""
+    previous_handlers = {signum: signal.signal(signum, _raise_interrupt) for _kind, signum in _SIGNALS}
     previous_hook = sys.unraisablehook
-    resender = _Resender()
+    resender = _Arrivals.resender = _Resender()
 
     def hook(unraisable) -> None:
         for kind, signum in _SIGNALS:
@@ -102,7 +121,25 @@ def interruptible() -> Iterator[None]:
         try:
             late = resender.close()
         finally:
+            _Arrivals.resender = None
             sys.unraisablehook = previous_hook
-            signal.signal(signal.SIGTERM, previous_handler)
+            for signum, handler in previous_handlers.items():
+                signal.signal(signum, handler)
         if late is not None and sys.exc_info()[0] is None:  # dropped just now: raise it here instead
             raise _RAISES[late]()
+
+
+@contextmanager
+def surfaced() -> Iterator[None]:
+    """Within: an error raised after an interrupt arrived inside the block leaves as that interrupt (chained to
+    the error), since C++ code may have reported the interrupt as the error (module docstring). Outside
+    ``interruptible()`` no interrupt is counted and errors pass through."""
+    before = _Arrivals.count
+    try:
+        yield
+    except Exception as error:
+        if _Arrivals.count == before or _Arrivals.last is None:
+            raise
+        if _Arrivals.resender is not None:
+            _Arrivals.resender.cancel()  # it was dropped too, perhaps: this raise delivers it
+        raise _RAISES[_Arrivals.last]() from error

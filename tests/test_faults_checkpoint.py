@@ -20,6 +20,7 @@ import torch
 
 from asyncgrpo_cli.config.schema import DataConfig
 from asyncgrpo_cli.errors import ServerExitedError, UserError
+from asyncgrpo_cli.interrupts import interruptible
 from asyncgrpo_cli.server.child import ServerChild
 from asyncgrpo_cli.server.control import ServerControl
 from asyncgrpo_cli.train import checkpoint as ckpt
@@ -36,6 +37,7 @@ from asyncgrpo_cli.train.checkpoint import (
 )
 from asyncgrpo_cli.train.lock import run_dir_lock
 from tests.helpers.fake_server import FakeVllmServer
+from tests.helpers.interrupting import SignalOnWrite
 
 
 # -- a tiny "training" to checkpoint ----------------------------------------------------------------------------
@@ -167,6 +169,26 @@ def test_ctrl_c_inside_a_dcp_save_is_an_interrupt_and_the_last_checkpoint_stays(
     monkeypatch.undo()
     assert step_dirs(tmp_path) == ["step-000001"]
     Parts().load(find_resume_checkpoint("auto", tmp_path))
+
+
+def test_ctrl_c_that_a_writer_reports_as_an_error_is_an_interrupt_and_the_last_checkpoint_stays(
+    tmp_path, monkeypatch
+):
+    """torch's zip writer calls a Python ``write`` from C++ and reports a Ctrl-C there as "unexpected pos ..."; a
+    CI run once ended with that message and status 1 instead of 130."""
+    parts = Parts()
+    parts.save(tmp_path, 1)
+    rng_state = ckpt._rng_state
+
+    def rng_state_and_a_ctrl_c_in_torch_writer():
+        torch.save({"w": torch.ones(64)}, SignalOnWrite(signal.SIGINT))
+        return rng_state()
+
+    monkeypatch.setattr(ckpt, "_rng_state", rng_state_and_a_ctrl_c_in_torch_writer)
+    with interruptible(), pytest.raises(KeyboardInterrupt) as raised:
+        parts.save(tmp_path, 2)
+    assert "unexpected pos" in str(raised.value.__cause__)
+    assert step_dirs(tmp_path) == ["step-000001"]
 
 
 def truncate(path: Path) -> None:

@@ -10,8 +10,10 @@ import sys
 import time
 
 import pytest
+import torch
 
-from asyncgrpo_cli.interrupts import Terminated, interruptible
+from asyncgrpo_cli.interrupts import Terminated, interruptible, surfaced
+from tests.helpers.interrupting import SignalOnWrite
 
 _COMPARE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 
@@ -75,10 +77,36 @@ def test_other_dropped_exceptions_reach_the_previous_hook(monkeypatch):
 
 def test_the_handler_and_hook_are_restored():
     hook, handler = sys.unraisablehook, signal.getsignal(signal.SIGTERM)
+    ctrl_c = signal.getsignal(signal.SIGINT)
     with interruptible():
         assert sys.unraisablehook is not hook
         assert signal.getsignal(signal.SIGTERM) is not handler
         with pytest.raises(Terminated):
             signal.raise_signal(signal.SIGTERM)
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
     assert sys.unraisablehook is hook
     assert signal.getsignal(signal.SIGTERM) is handler
+    assert signal.getsignal(signal.SIGINT) is ctrl_c
+
+
+@pytest.mark.parametrize("signum, kind", [(signal.SIGTERM, Terminated), (signal.SIGINT, KeyboardInterrupt)])
+def test_an_interrupt_torch_reports_as_a_corrupt_stream_leaves_as_itself(signum, kind):
+    """The CI run whose Ctrl-C landed in a checkpoint save's writer and ended as "unexpected pos ..." (status 1)."""
+    with interruptible():
+        with pytest.raises(RuntimeError, match="unexpected pos"):  # what torch makes of it
+            torch.save({"w": torch.ones(64)}, SignalOnWrite(signum))
+        with pytest.raises(kind) as raised:
+            with surfaced():
+                torch.save({"w": torch.ones(64)}, SignalOnWrite(signum))
+    assert isinstance(raised.value.__cause__, RuntimeError)
+
+
+def test_errors_without_an_interrupt_in_the_block_pass_through():
+    with interruptible():
+        with pytest.raises(KeyboardInterrupt):  # one before the block is not the block's
+            signal.raise_signal(signal.SIGINT)
+        with pytest.raises(ValueError), surfaced():
+            raise ValueError("a real failure")
+    with pytest.raises(RuntimeError, match="unexpected pos"), surfaced():  # outside: no interrupt is counted
+        torch.save({"w": torch.ones(64)}, SignalOnWrite(signal.SIGINT))

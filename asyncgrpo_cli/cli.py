@@ -11,7 +11,7 @@ from pathlib import Path
 
 from asyncgrpo_cli import __version__
 from asyncgrpo_cli.errors import RunFailure, UserError
-from asyncgrpo_cli.interrupts import Terminated, interruptible
+from asyncgrpo_cli.interrupts import Terminated, interruptible, surfaced
 
 USAGE = f"""asyncgrpo {__version__}: asynchronous RL post-training of LLMs (async GRPO, async on-policy distillation),
 configured with Hydra.
@@ -226,14 +226,16 @@ def _train_job(dcfg) -> None:
     from asyncgrpo_cli.train.lock import run_dir_lock
 
     try:
-        cfg = to_root_config(dcfg)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with run_dir_lock(run_dir) if main_rank else nullcontext():  # one training per run directory
-            if main_rank:
-                write_resolved(cfg, run_dir / "resolved.yaml")
-            from asyncgrpo_cli.train.run import run_train
+        # an interrupt that C++ code reported as an error (torch's writers) stops the run and a sweep as itself
+        with surfaced():
+            cfg = to_root_config(dcfg)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            with run_dir_lock(run_dir) if main_rank else nullcontext():  # one training per run directory
+                if main_rank:
+                    write_resolved(cfg, run_dir / "resolved.yaml")
+                from asyncgrpo_cli.train.run import run_train
 
-            state = run_train(cfg, run_dir)
+                state = run_train(cfg, run_dir)
         log.info("finished: %d steps, model version %d, run dir %s", state.step, state.model_version, run_dir)
     except UserError as e:
         _job_failed(label, run_dir, str(e), EXIT_USER_ERROR)

@@ -133,12 +133,13 @@ def interruptible() -> Iterator[None]:
 def surfaced() -> Iterator[None]:
     """Within: an error raised after an interrupt arrived inside the block leaves as that interrupt (chained to
     the error), since C++ code may have reported the interrupt as the error (module docstring). Outside
-    ``interruptible()`` no interrupt is counted and errors pass through."""
-    before = _Arrivals.count
+    ``interruptible()`` no interrupt is counted, and in other threads than the main one (where handlers run) none
+    is theirs: errors pass through."""
+    before = _Arrivals.count if threading.current_thread() is threading.main_thread() else None
     try:
         yield
     except Exception as error:
-        if _Arrivals.count == before or _Arrivals.last is None:
+        if before is None or _Arrivals.count == before or _Arrivals.last is None:
             raise
         if _Arrivals.resender is not None:
             _Arrivals.resender.cancel()  # it was dropped too, perhaps: this raise delivers it

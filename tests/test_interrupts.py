@@ -7,6 +7,7 @@ import ctypes
 import gc
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -110,3 +111,27 @@ def test_errors_without_an_interrupt_in_the_block_pass_through():
             raise ValueError("a real failure")
     with pytest.raises(RuntimeError, match="unexpected pos"), surfaced():  # outside: no interrupt is counted
         torch.save({"w": torch.ones(64)}, SignalOnWrite(signal.SIGINT))
+
+
+def test_an_error_in_another_thread_stays_an_error():
+    """Signal handlers run in the main thread: a worker thread's error is its own, whatever arrived meanwhile."""
+    failed, started, interrupted = [], threading.Event(), threading.Event()
+
+    def worker() -> None:
+        try:
+            with surfaced():
+                started.set()
+                interrupted.wait(5)
+                raise ValueError("the worker's own failure")
+        except BaseException as e:  # noqa: BLE001 - recorded for the assertion
+            failed.append(type(e))
+
+    with interruptible():
+        thread = threading.Thread(target=worker)
+        thread.start()
+        started.wait(5)
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        interrupted.set()
+        thread.join(5)
+    assert failed == [ValueError]

@@ -20,7 +20,7 @@ import torch
 
 from asyncgrpo_cli.config.schema import DataConfig
 from asyncgrpo_cli.errors import ServerExitedError, UserError
-from asyncgrpo_cli.interrupts import interruptible
+from asyncgrpo_cli.interrupts import interruptible, surfaced
 from asyncgrpo_cli.server.child import ServerChild
 from asyncgrpo_cli.server.control import ServerControl
 from asyncgrpo_cli.train import checkpoint as ckpt
@@ -175,7 +175,7 @@ def test_ctrl_c_that_a_writer_reports_as_an_error_is_an_interrupt_and_the_last_c
     tmp_path, monkeypatch
 ):
     """torch's zip writer calls a Python ``write`` from C++ and reports a Ctrl-C there as "unexpected pos ..."; a
-    CI run once ended with that message and status 1 instead of 130."""
+    CI run once ended with that message and status 1 instead of 130. A run's job runs inside ``surfaced()``."""
     parts = Parts()
     parts.save(tmp_path, 1)
     rng_state = ckpt._rng_state
@@ -185,7 +185,7 @@ def test_ctrl_c_that_a_writer_reports_as_an_error_is_an_interrupt_and_the_last_c
         return rng_state()
 
     monkeypatch.setattr(ckpt, "_rng_state", rng_state_and_a_ctrl_c_in_torch_writer)
-    with interruptible(), pytest.raises(KeyboardInterrupt) as raised:
+    with interruptible(), pytest.raises(KeyboardInterrupt) as raised, surfaced():
         parts.save(tmp_path, 2)
     assert "unexpected pos" in str(raised.value.__cause__)
     assert step_dirs(tmp_path) == ["step-000001"]

@@ -40,7 +40,6 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from asyncgrpo_cli.errors import UserError
-from asyncgrpo_cli.interrupts import surfaced
 from asyncgrpo_cli.train.distributed import DistInfo, barrier
 
 logger = logging.getLogger(__name__)
@@ -100,7 +99,6 @@ def _training_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, A
     return {"model": model_sd, "optim": optim_sd}
 
 
-@surfaced()  # a Ctrl-C that torch's writer reports as a corrupt stream stays a Ctrl-C
 def save_checkpoint(
     run_dir: Path,
     model: Any,
@@ -342,7 +340,6 @@ def data_changes(saved: dict[str, Any] | None, data_cfg: Any) -> list[str]:
     return [f"data.{k}: {saved[k]!r} -> {now[k]!r}" for k in DATA_KEYS if k in saved and saved[k] != now[k]]
 
 
-@surfaced()
 def load_training_state(
     path: Path, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, info: DistInfo | None = None
 ) -> None:

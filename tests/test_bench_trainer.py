@@ -106,6 +106,9 @@ def test_bad_arguments_name_the_key():
     assert parse_args(["flex_options=fwd_64x64_w4+bwd_64_w4"]).flex_options == "fwd_64x64_w4+bwd_64_w4"
     with pytest.raises(UserError, match=r"bench.flex_options \(fwd_64x64_w4\+fast\): names among default"):
         parse_args(["flex_options=fwd_64x64_w4+fast"])
+    assert parse_args(["one_rank_cast=foreach"]).one_rank_cast == "foreach"
+    with pytest.raises(UserError, match=r"bench.one_rank_cast \(fast\) must be torch or foreach"):
+        parse_args(["one_rank_cast=fast"])
 
 
 def test_flex_options_merge_a_forward_and_a_backward_candidate():

@@ -11,7 +11,8 @@ hybrid text decoder; ``tiny``, ``tiny-qwen3.5``: CPU smoke tests; random weights
 (model.lm_head_kernel: auto, torch, triton; the head that ran is printed), ``flex_options`` (a ``bench attention``
 candidate as model.flex_kernel_options),
 ``token_budget`` (forwarded tokens per row, one row per rank per micro-batch), ``grad_accum``, ``precision``,
-``gradient_checkpointing``, ``compile``, ``reshard_after_forward``, ``packing``, ``attn``, ``steps``, ``warmup``,
+``gradient_checkpointing``, ``compile``, ``reshard_after_forward``, ``one_rank_cast`` (trainer.one_rank_cast),
+``packing``, ``attn``, ``steps``, ``warmup``,
 ``out=PATH`` (JSON), ``baseline=PATH`` (a 1-GPU JSON: adds scaling efficiency = tokens/s per GPU over the
 baseline's), ``profile=N`` (N untimed steps after the timed ones under torch.profiler: where the step's GPU time
 goes, by kernel kind, printed under the row; ``train/profiler.py``).
@@ -77,6 +78,8 @@ class TrainerBenchConfig:
     gradient_checkpointing: bool = True
     compile: bool = False
     reshard_after_forward: bool = True
+    one_rank_cast: str = "torch"
+    """trainer.one_rank_cast: torch (FSDP2's cast per parameter on one rank) or foreach (one per layer)."""
     packing: str | None = None
     """Packer (packing.kind); None: the project's default."""
     attn: str | None = None
@@ -141,6 +144,10 @@ def _range_errors(cfg: TrainerBenchConfig) -> list[str]:
         (
             all(n in KERNEL_OPTIONS for n in cfg.flex_options.split("+")),
             f"bench.flex_options ({cfg.flex_options}): names among {', '.join(KERNEL_OPTIONS)}, joined by +",
+        ),
+        (
+            cfg.one_rank_cast in ("torch", "foreach"),
+            f"bench.one_rank_cast ({cfg.one_rank_cast}) must be torch or foreach",
         ),
         (cfg.steps >= 1 and cfg.warmup >= 0 and cfg.grad_accum >= 1, "bench.steps / grad_accum must be >= 1"),
         (cfg.profile >= 0, f"bench.profile ({cfg.profile}) must be >= 0"),
@@ -209,7 +216,10 @@ def build_trainer(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, r
 
         use_candidates(model_cfg, cfg.flex_options)
     tcfg = TrainerConfig(
-        mixed_precision=mixed, compile=cfg.compile, reshard_after_forward=cfg.reshard_after_forward
+        mixed_precision=mixed,
+        compile=cfg.compile,
+        reshard_after_forward=cfg.reshard_after_forward,
+        one_rank_cast=cfg.one_rank_cast,
     )
     torch.manual_seed(cfg.seed)
     model = load_policy(weightless_checkpoint(SHAPES[shape], root / shape), model_cfg, device)
@@ -217,7 +227,13 @@ def build_trainer(shape: str, cfg: TrainerBenchConfig, info: Any, device: Any, r
     if tcfg.compile:
         compile_decoder_layers(model)
     model = shard_model(
-        model, info, device, tcfg.mixed_precision, tcfg.cpu_offload, tcfg.reshard_after_forward
+        model,
+        info,
+        device,
+        tcfg.mixed_precision,
+        tcfg.cpu_offload,
+        tcfg.reshard_after_forward,
+        tcfg.one_rank_cast,
     )
     optimizer = build_optimizer(model, tcfg)
     packing = PackingConfig(token_budget=cfg.token_budget, **({"kind": cfg.packing} if cfg.packing else {}))

@@ -36,6 +36,7 @@ LoraBias = Annotated[str, Literal["none", "all", "lora_only"]]
 SamplingMask = Annotated[str, Literal["auto", "required", "off"]]
 LrSchedulerType = Annotated[str, Literal["constant", "constant_with_warmup", "linear", "cosine"]]
 TrainDevice = Annotated[str, Literal["auto", "cpu", "cuda"]]
+OneRankCast = Annotated[str, Literal["foreach", "torch"]]
 MixedPrecision = Annotated[
     str, Literal["bfloat16"], "float16 would need loss scaling, which the trainer does not do"
 ]

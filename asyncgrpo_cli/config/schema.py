@@ -23,6 +23,7 @@ from asyncgrpo_cli.config.choices import (
     LoraBias,
     LrSchedulerType,
     MixedPrecision,
+    OneRankCast,
     SamplingMask,
     SinkName,
     ToolCallFormat,
@@ -380,6 +381,13 @@ class TrainerConfig:
         True,
         "FSDP2: free each layer's gathered parameters after its forward and gather them again for backward; false "
         "keeps them until backward (one all-gather less per step, more GPU memory).",
+    )
+    one_rank_cast: OneRankCast = F(
+        "torch",
+        "FSDP2 on one GPU: torch keeps FSDP2's own cast and copy per parameter before each layer's forward and "
+        "backward; foreach casts all of a layer's fp32 parameters to the compute dtype in one launch "
+        "(train/one_rank_cast.py; bit for bit FSDP2's parameters; its GPU speed not measured yet). No effect with "
+        "several ranks.",
     )
     compile: TrainCompile = F(
         "auto",

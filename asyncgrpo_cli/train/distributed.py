@@ -125,13 +125,16 @@ def shard_model(
     mixed_precision: str | None,
     cpu_offload: bool,
     reshard_after_forward: bool = True,
+    one_rank_cast: str = "torch",
 ) -> Any:
     """``fully_shard`` every decoder layer, then the root (embeddings, final norm, head).
 
     Mixed precision (``trainer.mixed_precision``): fp32 master weights, parameters cast to bf16 for forward and
     backward, gradients reduced in fp32. CPU offload (``trainer.cpu_offload``): shards, gradients and optimizer
     state live in CPU memory, so build the optimizer after this call (it then steps on the CPU). A single process
-    without either is returned as it is.
+    without either is returned as it is. On one rank ``one_rank_cast="foreach"`` (``trainer.one_rank_cast``) fills
+    each layer's parameters with one ``foreach`` cast (``train/one_rank_cast.py``); ``"torch"``: FSDP2's own
+    cast and copy per parameter.
     """
     if not (info.enabled or mixed_precision or cpu_offload):
         return model
@@ -167,6 +170,10 @@ def shard_model(
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    if one_rank_cast == "foreach":
+        from asyncgrpo_cli.train.one_rank_cast import use_foreach_cast
+
+        use_foreach_cast(model)
     return model
 
 

@@ -123,7 +123,15 @@ def run_train(cfg: RootConfig, run_dir: Path) -> Any:
         model = load_policy(model_path, cfg.model, device)
         router = resolve_router_aux(model, cfg.loss.router_aux_loss_coef)  # MoE load balancing, or None
         maybe_compile_decoder_layers(model, tr.compile, device)  # trainer.compile=auto: on CUDA
-        model = shard_model(model, info, device, tr.mixed_precision, tr.cpu_offload, tr.reshard_after_forward)
+        model = shard_model(
+            model,
+            info,
+            device,
+            tr.mixed_precision,
+            tr.cpu_offload,
+            tr.reshard_after_forward,
+            tr.one_rank_cast,
+        )
         optimizer = build_optimizer(model, tr)
         scheduler = build_scheduler(optimizer, tr)
         if resume:

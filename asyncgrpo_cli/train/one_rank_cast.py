@@ -70,6 +70,16 @@ def _unsupported(group: Any) -> str | None:
     return None
 
 
+def _version_counters_unsupported() -> str | None:
+    """Why autograd cannot set version counters as the cast does (FSDP2's way), or None."""
+    probe = torch.zeros(1)
+    try:
+        torch._C._autograd._unsafe_set_version_counter((probe,), (probe._version,))
+    except (AttributeError, TypeError) as e:
+        return f"autograd's version counters ({e})"
+    return None
+
+
 def use_foreach_cast(model: torch.nn.Module) -> int:
     """Give every FSDP2 parameter group of a one-rank ``model`` the foreach cast; returns how many got it.
 
@@ -79,8 +89,8 @@ def use_foreach_cast(model: torch.nn.Module) -> int:
     if not dist.is_initialized() or dist.get_world_size() != 1:
         return 0
     groups = _param_groups(model)
-    for group in groups:
-        if reason := _unsupported(group):
+    for reason in (_version_counters_unsupported(), *map(_unsupported, groups)):
+        if reason:
             logger.warning(
                 "FSDP2's one-rank unshard stays torch's (one cast and copy per parameter): %s in torch %s",
                 reason,

@@ -78,8 +78,9 @@ class TrainerBenchConfig:
     gradient_checkpointing: bool = True
     compile: bool = False
     reshard_after_forward: bool = True
-    one_rank_cast: str = "torch"
-    """trainer.one_rank_cast: torch (FSDP2's cast per parameter on one rank) or foreach (one per layer)."""
+    one_rank_cast: str = "foreach"
+    """trainer.one_rank_cast: foreach (one cast per layer on one rank, a run's default) or torch (FSDP2's, one per
+    parameter)."""
     packing: str | None = None
     """Packer (packing.kind); None: the project's default."""
     attn: str | None = None

@@ -383,11 +383,10 @@ class TrainerConfig:
         "keeps them until backward (one all-gather less per step, more GPU memory).",
     )
     one_rank_cast: OneRankCast = F(
-        "torch",
-        "FSDP2 on one GPU: torch keeps FSDP2's own cast and copy per parameter before each layer's forward and "
-        "backward; foreach casts all of a layer's fp32 parameters to the compute dtype in one launch "
-        "(train/one_rank_cast.py; bit for bit FSDP2's parameters; its GPU speed not measured yet). No effect with "
-        "several ranks.",
+        "foreach",
+        "FSDP2 on one GPU: foreach casts all of a layer's fp32 parameters to the compute dtype in one launch before "
+        "its forward and backward (train/one_rank_cast.py; bit for bit FSDP2's parameters; 1.7B steps 1-5% faster "
+        "on an H100); torch keeps FSDP2's own cast and copy per parameter. No effect with several ranks.",
     )
     compile: TrainCompile = F(
         "auto",

@@ -125,7 +125,7 @@ def shard_model(
     mixed_precision: str | None,
     cpu_offload: bool,
     reshard_after_forward: bool = True,
-    one_rank_cast: str = "torch",
+    one_rank_cast: str = "foreach",
 ) -> Any:
     """``fully_shard`` every decoder layer, then the root (embeddings, final norm, head).
 

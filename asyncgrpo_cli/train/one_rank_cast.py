@@ -5,7 +5,8 @@ in turn, casts the fp32 shard to bf16 (a new tensor) and copies the cast into th
 and a round of Python per parameter, in every forward and (``trainer.reshard_after_forward``) every backward, on
 the compute stream. For a 1.7B model that is ~620 parameter rounds a step, and the GPU waits on them: 23.5 ms of
 idle and ~18.5 ms of copies in a 0.46 s step on an H100 (``docs/benchmarks.md``, 2026-12-07 fourth). With
-several ranks torch does one ``foreach`` copy-in per layer instead.
+several ranks torch does one ``foreach`` copy-in per layer instead. Measured (``bench trainer one_rank_cast=``,
+H100, ``docs/benchmarks.md``, 2026-12-08): 1.7B steps 1.01-1.05x faster in both orders, 0.6B within drift.
 
 :func:`use_foreach_cast` gives each of a one-rank model's parameter groups one ``torch._foreach_copy_`` that casts
 and copies all of its shards into the same unsharded buffers torch would fill, with torch's version-counter

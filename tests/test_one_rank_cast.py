@@ -1,6 +1,7 @@
 """FSDP2 on one rank with ``trainer.one_rank_cast=foreach`` (``train/one_rank_cast.py``) against FSDP2's own
-per-parameter casts: the same gradients and weights, bit for bit, over steps of two micro-batches, with and
-without resharding after forward; the groups it cannot serve keep torch's path."""
+per-parameter casts: the same gradients and weights, bit for bit, over steps of two micro-batches (with and
+without resharding after forward, with gradient checkpointing, after an unshard by hand), every unshard the
+foreach cast's; the groups it cannot serve keep torch's path."""
 
 from __future__ import annotations
 
@@ -24,19 +25,44 @@ from asyncgrpo_cli.train.losses import ClippedLoss
 from asyncgrpo_cli.train.step import forward_backward
 
 
-def _train(model_dir, device: torch.device, way: str, reshard: bool, steps: int = 3):
-    """Per step the gradients after two micro-batches, then the weights; and how many groups got the cast."""
+def _torch_unshards(monkeypatch) -> list[int]:
+    """Counts the calls into torch's own ``wait_for_unshard`` that find an unshard pending (the work it does)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    calls, torchs = [0], FSDPParamGroup.wait_for_unshard
+
+    def counted(self):
+        calls[0] += bool(self._all_gather_result)
+        return torchs(self)
+
+    monkeypatch.setattr(FSDPParamGroup, "wait_for_unshard", counted)
+    return calls
+
+
+def _train(
+    model_dir, device, way: str, reshard: bool, checkpointing: bool, unshard: str | None, steps: int = 3
+):
+    """Per step the gradients after two micro-batches, then the weights; and how many groups got the cast.
+    ``unshard``: the model unsharded by hand before the first forward (``sync`` or ``async``, as a weight gather
+    would), else by FSDP2's hooks alone."""
     from asyncgrpo_cli.bench.trainer_overhead import synthetic_groups
 
     torch.manual_seed(0)
     cfg = ModelConfig(
-        name_or_path=str(model_dir), dtype="float32", gradient_checkpointing=False, attn_implementation="sdpa"
+        name_or_path=str(model_dir),
+        dtype="float32",
+        gradient_checkpointing=checkpointing,
+        attn_implementation="sdpa",
     )
     try:
         model = shard_model(
             load_policy(str(model_dir), cfg, device), DistInfo(), device, "bfloat16", False, reshard, way
         )
         patched = sum("wait_for_unshard" in vars(g) for g in one_rank_cast._param_groups(model))
+        if unshard == "sync":
+            model.unshard()
+        elif unshard == "async":
+            model.unshard(async_op=True).wait()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         packer, loss_fn = SequencePacker(PackingConfig(kind="sequence")), ClippedLoss(LossConfig())
         vocab, taken = model.config.vocab_size, []
@@ -59,24 +85,37 @@ def _train(model_dir, device: torch.device, way: str, reshard: bool, steps: int 
     return taken, patched
 
 
-def _assert_bit_identical(model_dir, device, reshard):
-    (ours, patched), (torchs, unpatched) = (
-        _train(model_dir, device, "foreach", reshard),
-        _train(model_dir, device, "torch", reshard),
-    )
+def _assert_bit_identical(monkeypatch, model_dir, device, reshard, checkpointing=False, unshard=None):
+    torch_unshards = _torch_unshards(monkeypatch)
+    ours, patched = _train(model_dir, device, "foreach", reshard, checkpointing, unshard)
+    assert torch_unshards == [0]  # every unshard was the foreach cast's ...
+    torchs, unpatched = _train(model_dir, device, "torch", reshard, checkpointing, unshard)
+    assert torch_unshards[0] > 0  # ... and torch's way was taken when asked for
     assert (patched, unpatched) == (3, 0)  # two decoder layers and the root
     for step, (a, b) in enumerate(zip(ours, torchs)):
         assert all(torch.equal(x, y) for x, y in zip(a, b)), f"differs at {step}"
 
 
-@pytest.mark.parametrize("reshard", [True, False], ids=["reshard_after_forward", "kept_for_backward"])
-def test_the_foreach_cast_trains_bit_for_bit_as_fsdp2s_own(tiny_model_dir, reshard):
-    _assert_bit_identical(tiny_model_dir, torch.device("cpu"), reshard)
+@pytest.mark.parametrize(
+    "reshard,checkpointing,unshard",
+    [
+        (True, False, None),
+        (False, False, None),
+        (True, True, None),
+        (True, False, "sync"),
+        (False, False, "async"),
+    ],
+    ids=["reshard_after_forward", "kept_for_backward", "checkpointing", "unshard", "unshard_async"],
+)
+def test_the_foreach_cast_trains_bit_for_bit_as_fsdp2s_own(
+    monkeypatch, tiny_model_dir, reshard, checkpointing, unshard
+):
+    _assert_bit_identical(monkeypatch, tiny_model_dir, torch.device("cpu"), reshard, checkpointing, unshard)
 
 
 @pytest.mark.gpu
-def test_the_foreach_cast_trains_bit_for_bit_as_fsdp2s_own_on_cuda(tiny_model_dir):
-    _assert_bit_identical(tiny_model_dir, torch.device("cuda", 0), True)
+def test_the_foreach_cast_trains_bit_for_bit_as_fsdp2s_own_on_cuda(monkeypatch, tiny_model_dir):
+    _assert_bit_identical(monkeypatch, tiny_model_dir, torch.device("cuda", 0), True)
 
 
 def test_a_group_without_what_the_cast_uses_keeps_torchs_path(caplog):

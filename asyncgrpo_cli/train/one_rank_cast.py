@@ -49,24 +49,37 @@ _PARAM_FIELDS = (
 
 
 def _param_groups(model: torch.nn.Module) -> list[Any]:
-    """The FSDP2 parameter groups of ``model``'s ``fully_shard`` modules (one per sharded layer and the root)."""
+    """The FSDP2 parameter groups of ``model``'s ``fully_shard`` modules (one per sharded layer and the root;
+    newer torch keeps a list per module, for per-parameter meshes, older torch one group)."""
     groups = []
     for module in model.modules():
         get_state = getattr(module, "_get_fsdp_state", None)
-        group = getattr(get_state(), "_fsdp_param_group", None) if get_state else None
-        if group is not None:
+        if get_state is None:
+            continue
+        state = get_state()
+        if (listed := getattr(state, "_fsdp_param_groups", None)) is not None:
+            groups.extend(listed)
+        elif (group := getattr(state, "_fsdp_param_group", None)) is not None:
             groups.append(group)
     return groups
+
+
+def _has(obj: Any, name: str) -> bool:
+    """``hasattr`` that also counts a property's failed assertion (FSDP2's checks of its mesh) as missing."""
+    try:
+        return hasattr(obj, name)
+    except AssertionError:
+        return False
 
 
 def _unsupported(group: Any) -> str | None:
     """Why this torch's FSDP2 group does not have what the foreach cast uses, or None."""
     for name in _GROUP_METHODS + _GROUP_FIELDS:
-        if not hasattr(group, name):
+        if not _has(group, name):
             return f"FSDPParamGroup has no {name}"
     for param in group.fsdp_params:
         for name in (*_PARAM_METHODS, *_PARAM_FIELDS):
-            if not hasattr(param, name):
+            if not _has(param, name):
                 return f"FSDPParam has no {name}"
     return None
 
@@ -98,13 +111,13 @@ def use_foreach_cast(model: torch.nn.Module) -> int:
                 torch.__version__,
             )
             return 0
+    wait_for_unshard = _foreach_wait_for_unshard()
     for group in groups:
-        torch_wait = group.wait_for_unshard
-        group.wait_for_unshard = types.MethodType(_foreach_wait_for_unshard(torch_wait), group)
+        group.wait_for_unshard = types.MethodType(wait_for_unshard, group)
     return len(groups)
 
 
-def _foreach_wait_for_unshard(torch_wait: Any) -> Any:
+def _foreach_wait_for_unshard() -> Any:
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState, alloc_storage
 
@@ -119,7 +132,7 @@ def _foreach_wait_for_unshard(torch_wait: Any) -> Any:
             or hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather")
             for p in params
         ):
-            return torch_wait()
+            return type(self).wait_for_unshard(self)  # torch's, for this group (a copied model's too)
         outputs, shards = [], []
         for p in params:
             shard = p._sharded_param_data  # 1-D, the whole parameter on one rank

@@ -122,7 +122,10 @@ def parse_args(argv: list[str]) -> TrainerBenchConfig:
 
 def _range_errors(cfg: TrainerBenchConfig) -> list[str]:
     from asyncgrpo_cli.bench.attention import KERNEL_OPTIONS
+    from asyncgrpo_cli.config.choices import OneRankCast, choice_of
     from asyncgrpo_cli.model.head import HEAD_KERNELS
+
+    ONE_RANK_CASTS = choice_of(OneRankCast).values
 
     checks = [
         (
@@ -147,7 +150,7 @@ def _range_errors(cfg: TrainerBenchConfig) -> list[str]:
             f"bench.flex_options ({cfg.flex_options}): names among {', '.join(KERNEL_OPTIONS)}, joined by +",
         ),
         (
-            cfg.one_rank_cast in ("torch", "foreach"),
+            cfg.one_rank_cast in ONE_RANK_CASTS,
             f"bench.one_rank_cast ({cfg.one_rank_cast}) must be torch or foreach",
         ),
         (cfg.steps >= 1 and cfg.warmup >= 0 and cfg.grad_accum >= 1, "bench.steps / grad_accum must be >= 1"),

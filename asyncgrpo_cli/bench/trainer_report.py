@@ -66,8 +66,8 @@ def preamble(cfg: Any, env: dict[str, Any]) -> str:
         f"asyncgrpo bench trainer on {env['world_size']} x {env['device']} (torch {env['torch']}, transformers "
         f"{env['transformers']}): precision={cfg.precision}, packing={env['packing']}, gradient_checkpointing="
         f"{cfg.gradient_checkpointing}, compile={cfg.compile}, reshard_after_forward={cfg.reshard_after_forward}, "
-        f"one_rank_cast={cfg.one_rank_cast}, token_budget={cfg.token_budget}, grad_accum={cfg.grad_accum}, {cfg.steps} timed steps after "
-        f"{cfg.warmup} warm-up\n"
+        f"one_rank_cast={cfg.one_rank_cast}, token_budget={cfg.token_budget}, grad_accum={cfg.grad_accum}, "
+        f"{cfg.steps} timed steps after {cfg.warmup} warm-up\n"
         f"{'shape':>12} {'GPUs':>4} {'tok/step':>9} {'step s':>7} {'opt s':>6} {'tok/s':>9} {'tok/s/GPU':>9} "
         f"{'TFLOP/s/GPU':>11} {'MFU':>6} {'peak GiB':>8} {'eff':>6}  attention"
     )

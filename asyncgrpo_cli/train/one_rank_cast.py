@@ -15,8 +15,9 @@ cast is the same rounding); tests compare losses, gradients and weights over sev
 
 Written here because no library does it: it is a replacement for one branch of a private torch method. It reads
 FSDP2's private state, so it checks what it uses when installed and leaves torch's path (with one warning) where
-anything differs, and at every call it takes torch's path where the branch does not apply (several ranks, CPU
-offload, tensor subclasses with all-gather extensions, parameters resharded after forward to a smaller mesh).
+anything differs. It is installed only on a one-rank process group, and at every call it takes torch's path
+where the branch does not apply (CPU offload, tensor subclasses with all-gather extensions, parameters resharded
+after forward to a smaller mesh).
 """
 
 from __future__ import annotations
@@ -30,14 +31,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _GROUP_METHODS = ("wait_for_unshard", "_to_unsharded", "_wait_all_gather_streams_on_event")
-_GROUP_FIELDS = (
-    "fsdp_params",
-    "mesh_info",
-    "device",
-    "device_handle",
-    "_all_gather_result",
-    "_all_gather_process_group",
-)
+_GROUP_FIELDS = ("fsdp_params", "device", "device_handle", "_all_gather_result")
 _PARAM_METHODS = ("init_all_gather_outputs", "init_unsharded_param")
 _PARAM_FIELDS = (
     "_sharded_param_data",
@@ -64,22 +58,14 @@ def _param_groups(model: torch.nn.Module) -> list[Any]:
     return groups
 
 
-def _has(obj: Any, name: str) -> bool:
-    """``hasattr`` that also counts a property's failed assertion (FSDP2's checks of its mesh) as missing."""
-    try:
-        return hasattr(obj, name)
-    except AssertionError:
-        return False
-
-
 def _unsupported(group: Any) -> str | None:
     """Why this torch's FSDP2 group does not have what the foreach cast uses, or None."""
     for name in _GROUP_METHODS + _GROUP_FIELDS:
-        if not _has(group, name):
+        if not hasattr(group, name):
             return f"FSDPParamGroup has no {name}"
     for param in group.fsdp_params:
         for name in (*_PARAM_METHODS, *_PARAM_FIELDS):
-            if not _has(param, name):
+            if not hasattr(param, name):
                 return f"FSDPParam has no {name}"
     return None
 
@@ -118,15 +104,13 @@ def use_foreach_cast(model: torch.nn.Module) -> int:
 
 
 def _foreach_wait_for_unshard() -> Any:
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState, alloc_storage
 
     def wait_for_unshard(self: Any) -> None:
         if not self._all_gather_result:
             return  # no unshard pending
         params = self.fsdp_params
-        one_rank = not isinstance(self.mesh_info, FSDPMeshInfo) or self._all_gather_process_group.size() == 1
-        if not one_rank or any(
+        if any(
             p.offload_to_cpu
             or p.sharded_state != ShardedState.SHARDED
             or hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather")
